@@ -1,0 +1,5 @@
+import sys
+
+from autoscale.cli import main
+
+sys.exit(main())

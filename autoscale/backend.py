@@ -1,0 +1,105 @@
+"""The ``torch.compile`` backend: Dynamo graph -> passes -> AOTAutograd -> joint passes -> executor.
+
+``torch.compile(model, backend="autoscale")`` finds :func:`autoscale_backend` through the
+``torch_dynamo_backends`` entry point; ``autoscale.backend(config)`` builds a configured
+:class:`Backend` whose ``records`` keep what each compile did. Every graph Dynamo hands over
+(one per graph break) goes through the same pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from autoscale.config import Config
+from autoscale.inspect import PrecisionReport, precision_report
+from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
+
+__all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend"]
+
+log = logging.getLogger("autoscale")
+
+
+@dataclass
+class CompileRecord:
+    """What one compile of one graph did: the resolved config, the precision report and the
+    passes of both stages (the joint stage's arrive when AOTAutograd builds the backward)."""
+
+    config: Config
+    report: PrecisionReport
+    passes: list[PassRecord] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class JointStage:
+    """The joint stage of the pipeline, bound to one compile, as the executors receive it.
+
+    ``run`` rewrites AOTAutograd's joint graph in place; ``passes`` and ``key`` (the config and
+    pass names) identify what it does, for Inductor's caches.
+    """
+
+    run: Callable[[GraphModule], None]
+    passes: tuple[Callable[..., Any], ...]
+    key: str
+
+
+class Backend:
+    """A configured autoscale backend; pass it to ``torch.compile(model, backend=...)``.
+
+    It is a plain callable ``(gm, example_inputs) -> compiled``; it keeps one
+    :class:`CompileRecord` per graph it compiled in ``records``.
+    """
+
+    def __init__(self, config: Config | None = None, *, pipeline: Sequence[PassSpec] = PIPELINE) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise ValueError(f"backend config must be an autoscale.Config, got {type(config).__name__}")
+        self.config = config or Config()
+        self.pipeline = tuple(pipeline)
+        self.records: list[CompileRecord] = []
+
+    @property
+    def reports(self) -> list[PrecisionReport]:
+        """The precision report of every graph compiled so far."""
+        return [r.report for r in self.records]
+
+    def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from autoscale.executors import EXECUTORS  # imports Inductor/AOTAutograd: only when compiling
+
+        cfg = self.config.resolved(_device_of(example_inputs))
+        passes = run_stage(gm, cfg, "dynamo", self.pipeline)
+        report = precision_report(gm, dtype=str(cfg.dtype).removeprefix("torch."), compute=cfg.compute)
+        record = CompileRecord(cfg, report, passes)
+        self.records.append(record)
+        log.info("autoscale graph %d: %s", len(self.records) - 1, report)
+        if report.unknown_ops:
+            log.warning("autoscale: ops not in the precision tables were kept in float32: %s "
+                        "(classify them with Config.allow/deny/infer/clear)", ", ".join(report.unknown_ops))
+
+        def run_joint(joint: GraphModule) -> None:
+            record.passes.extend(run_stage(joint, cfg, "joint", self.pipeline))
+
+        joint_passes = tuple(spec.fn for spec in self.pipeline if spec.stage == "joint")
+        key = f"{cfg!r} {[fn.__name__ for fn in joint_passes]}"
+        return EXECUTORS[cfg.executor](gm, example_inputs, JointStage(run_joint, joint_passes, key))
+
+
+def backend(config: Config | None = None) -> Backend:
+    """A backend for ``torch.compile`` that uses ``config`` (default: ``Config()``)."""
+    return Backend(config)
+
+
+def autoscale_backend(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """The backend registered as ``"autoscale"`` (entry point ``torch_dynamo_backends``)."""
+    return Backend()(gm, example_inputs)
+
+
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")

@@ -1,0 +1,142 @@
+"""Configuration: frozen dataclasses, validated on construction, passed explicitly.
+
+Nothing here reads the environment or holds global state: a ``Config`` is a value. Invalid
+values raise ``ValueError`` naming the field and what it accepts, so a typo fails at the call
+site rather than deep inside a compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["Config", "ScalingConfig", "recipe", "recipe_names"]
+
+Compute = Literal["auto", "native", "emulate"]
+Executor = Literal["inductor", "eager"]
+ScalingMode = Literal["adaptive", "dynamic", "static", "none"]
+
+_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_COMPUTES: tuple[str, ...] = ("auto", "native", "emulate")
+_EXECUTORS: tuple[str, ...] = ("inductor", "eager")
+_SCALING_MODES: tuple[str, ...] = ("adaptive", "dynamic", "static", "none")
+
+
+def _choice(owner: str, name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(
+            f"{owner}.{name}={value!r} is not valid; allowed values: {', '.join(map(repr, allowed))}"
+        )
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """Gradient-scaling settings (DESIGN.md §4).
+
+    ``mode``: "adaptive" (per-layer scales from the underflow analysis, the default),
+    "dynamic" (one global scale with torch.amp.GradScaler semantics), "static" (a fixed scale)
+    or "none". ``gamma`` is the tolerated predicted underflow rate per layer.
+    """
+
+    mode: ScalingMode = "adaptive"
+    gamma: float = 1e-3
+
+    def __post_init__(self) -> None:
+        _choice("ScalingConfig", "mode", self.mode, _SCALING_MODES)
+        if not (isinstance(self.gamma, float | int) and 0.0 < float(self.gamma) < 1.0):
+            raise ValueError(f"ScalingConfig.gamma={self.gamma!r} is not valid; it must be a number in (0, 1)")
+
+
+@dataclass(frozen=True)
+class Config:
+    """How autoscale rewrites a model.
+
+    dtype:    the low-precision dtype, ``torch.float16`` (default) or ``torch.bfloat16``; the names
+              "float16"/"fp16"/"half" and "bfloat16"/"bf16" are accepted and normalized.
+    compute:  "native" runs low-precision GEMMs in that dtype; "emulate" stores and rounds every
+              tensor exactly as native does but computes GEMMs in float32 from the low-precision
+              inputs (CPUs without FP16 matrix units are ~100x slower natively); "auto" picks
+              native on CUDA and emulate elsewhere.
+    executor: "inductor" (default) or "eager" (AOTAutograd without a code generator, for debugging).
+    allow, deny, infer, clear: extra op names for the precision tables (see
+              ``autoscale.passes.op_tables``); an entry here overrides the built-in category.
+    scaling:  gradient-scaling settings.
+    """
+
+    dtype: torch.dtype = torch.float16
+    compute: Compute = "auto"
+    executor: Executor = "inductor"
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    infer: tuple[str, ...] = ()
+    clear: tuple[str, ...] = ()
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _normalize_dtype(self.dtype))
+        _choice("Config", "compute", self.compute, _COMPUTES)
+        _choice("Config", "executor", self.executor, _EXECUTORS)
+        seen: dict[str, str] = {}
+        for category in ("allow", "deny", "infer", "clear"):
+            ops = getattr(self, category)
+            if isinstance(ops, str) or not isinstance(ops, tuple | list):
+                raise ValueError(f"Config.{category} must be a tuple of op names, got {ops!r}")
+            for op in ops:
+                if not isinstance(op, str) or not op:
+                    raise ValueError(f"Config.{category} must contain op names (non-empty str), got {op!r}")
+                if op in seen:
+                    raise ValueError(f"op {op!r} is listed in both Config.{seen[op]} and Config.{category}")
+                seen[op] = category
+            object.__setattr__(self, category, tuple(ops))
+        if not isinstance(self.scaling, ScalingConfig):
+            raise ValueError(f"Config.scaling must be a ScalingConfig, got {type(self.scaling).__name__}")
+
+    @property
+    def op_overrides(self) -> dict[str, str]:
+        """Op name -> category for the user's table extensions."""
+        return {op: cat for cat in ("allow", "deny", "infer", "clear") for op in getattr(self, cat)}
+
+    def resolved(self, device: torch.device) -> Config:
+        """This config with ``compute="auto"`` made concrete for tensors on ``device``."""
+        if self.compute != "auto":
+            return self
+        return dataclasses.replace(self, compute="native" if device.type == "cuda" else "emulate")
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _normalize_dtype(value: object) -> torch.dtype:
+    aliases = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    if isinstance(value, str):
+        value = _DTYPES.get(aliases.get(value, value), value)
+    if value not in _DTYPES.values():
+        raise ValueError(
+            f"Config.dtype={value!r} is not valid; allowed values: torch.float16, torch.bfloat16 "
+            "(or the strings 'float16', 'bfloat16')"
+        )
+    assert isinstance(value, torch.dtype)
+    return value
+
+
+_RECIPES: dict[str, Config] = {
+    "default": Config(),
+    "debug": Config(executor="eager"),
+    "bf16": Config(dtype=torch.bfloat16),
+}
+
+
+def recipe_names() -> tuple[str, ...]:
+    """Names accepted by :func:`recipe`."""
+    return tuple(_RECIPES)
+
+
+def recipe(name: str, **changes: Any) -> Config:
+    """A named, ready-made Config ("default", "debug": eager executor, "bf16"), optionally changed."""
+    if name not in _RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(map(repr, _RECIPES))}")
+    return _RECIPES[name].replace(**changes) if changes else _RECIPES[name]

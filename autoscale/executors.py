@@ -1,0 +1,70 @@
+"""Executors: how the rewritten Dynamo graph becomes code (imported only when compiling).
+
+Both run AOTAutograd on the graph (so the backward is derived through the inserted casts) and
+the joint stage of the pipeline on its joint forward+backward graph before partitioning:
+
+* ``inductor`` hands the graph to Inductor's ``compile_fx``, with the joint stage as its
+  ``joint_custom_pre_pass`` and ``emulate_precision_casts`` on (without it Inductor drops
+  float32 -> float16 -> float32 round trips inside fused kernels, silently computing in float32);
+* ``eager`` runs AOTAutograd's graphs as they are, with the joint stage in the partitioner.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx import Graph, GraphModule
+
+import autoscale.passes
+from autoscale.backend import JointStage
+
+__all__ = ["EXECUTORS"]
+
+Executor = Callable[[GraphModule, Sequence[Any], JointStage], Callable[..., Any]]
+
+
+class _JointPass(CustomGraphPass):
+    """The joint stage as an Inductor custom pass. ``uuid`` covers the passes' source and the
+    config, so Inductor's FX graph cache never serves code built by other passes or settings."""
+
+    def __init__(self, stage: JointStage) -> None:
+        self._stage = stage
+        sources = sorted({inspect.getsourcefile(fn) or "" for fn in stage.passes}
+                         | {str(p) for p in Path(autoscale.passes.__file__).parent.glob("*.py")})
+        self._uuid = get_hash_for_files(tuple(sources), extra=stage.key).hex()
+
+    def __call__(self, graph: Graph) -> None:
+        gm = graph.owning_module
+        assert isinstance(gm, GraphModule)
+        self._stage.run(gm)
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+def compile_inductor(gm: GraphModule, example_inputs: Sequence[Any], stage: JointStage) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {"emulate_precision_casts": True, "joint_custom_pre_pass": _JointPass(stage)}
+    return compile_fx(gm, list(example_inputs), config_patches=patches)
+
+
+def compile_eager(gm: GraphModule, example_inputs: Sequence[Any], stage: JointStage) -> Callable[..., Any]:
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    def partition(joint: GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[GraphModule, GraphModule]:
+        stage.run(joint)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    compiler = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
+                            keep_inference_input_mutations=True)
+    return compiler(gm, example_inputs)
+
+
+EXECUTORS: dict[str, Executor] = {"inductor": compile_inductor, "eager": compile_eager}

@@ -1,0 +1,40 @@
+"""autoscale's graph passes, one per module, and the pipeline that orders them.
+
+Installed as ``autoscale.passes``. Each pass is ``verb_noun(gm, cfg) -> PassResult`` and rewrites
+``gm`` in place; ``run_stage`` (the pass manager) runs them and checks the invariants listed in
+README.md beside this file.
+"""
+
+from __future__ import annotations
+
+from .convert_precision import convert_precision
+from .emulate_compute import emulate_compute
+from .fold_casts import fold_casts
+from .manager import InvariantError, PassRecord, PassResult, PassSpec, Stage, run_stage
+from .remove_inplace import remove_inplace
+
+__all__ = [
+    "PIPELINE",
+    "InvariantError",
+    "PassRecord",
+    "PassResult",
+    "PassSpec",
+    "Stage",
+    "convert_precision",
+    "emulate_compute",
+    "fold_casts",
+    "remove_inplace",
+    "run_stage",
+]
+
+PIPELINE: tuple[PassSpec, ...] = (
+    # Dynamo's torch-level graph, before autograd: what is computed in which dtype.
+    PassSpec(remove_inplace, "dynamo"),
+    PassSpec(convert_precision, "dynamo"),
+    PassSpec(emulate_compute, "dynamo"),
+    PassSpec(fold_casts, "dynamo"),
+    # AOTAutograd's joint forward+backward ATen graph, before partitioning.
+    PassSpec(fold_casts, "joint"),
+)
+"""The pipeline, in order. Later issues add the underflow analysis and gradient scaling to the
+joint stage."""

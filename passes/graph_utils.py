@@ -1,0 +1,184 @@
+"""Small helpers the passes share: op names, tensor metadata, layer names, provenance, casts."""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Callable
+
+import torch
+from torch.fx import Graph, Node
+
+from .op_tables import FIXED, VIEWS
+
+__all__ = [
+    "MAY_ALIAS",
+    "PROVENANCE_KEY",
+    "cast_of",
+    "float_dtype",
+    "insert_cast",
+    "is_inplace",
+    "layer_of",
+    "mutated_aliases",
+    "op_name",
+    "provenance",
+    "target_name",
+    "tensor_val",
+]
+
+PROVENANCE_KEY = "autoscale"
+
+# Ops whose result may share storage with their first argument.
+MAY_ALIAS = VIEWS | FIXED
+
+# Python operators as Dynamo records them, by the name of the tensor op they stand for.
+_OPERATOR_NAMES: dict[Callable[..., Any], str] = {
+    operator.add: "add", operator.iadd: "add_", operator.sub: "sub", operator.isub: "sub_",
+    operator.mul: "mul", operator.imul: "mul_", operator.truediv: "truediv",
+    operator.itruediv: "div_", operator.floordiv: "floordiv", operator.matmul: "matmul",
+    operator.neg: "neg", operator.pow: "pow", operator.ipow: "pow_", operator.getitem: "getitem",
+    operator.abs: "abs", operator.eq: "eq", operator.ne: "ne", operator.lt: "lt", operator.le: "le",
+    operator.gt: "gt", operator.ge: "ge",
+}
+
+
+def target_name(node: Node) -> str | None:
+    """The name of the op a call node runs, as written (``relu_``, ``add``, ``addmm``)."""
+    target = node.target
+    if node.op == "call_method":
+        assert isinstance(target, str)
+        return target
+    if node.op != "call_function":
+        return None
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target.__name__
+    if target in _OPERATOR_NAMES:
+        return _OPERATOR_NAMES[target]
+    return getattr(target, "__name__", None)
+
+
+def _has_inplace_suffix(name: str | None) -> bool:
+    return name is not None and name.endswith("_") and not name.endswith("__")
+
+
+def is_inplace(node: Node) -> bool:
+    """Whether ``node`` mutates its first argument (``relu_``, ``x += y``, ``F.relu(x, inplace=True)``)."""
+    return node.kwargs.get("inplace") is True or _has_inplace_suffix(target_name(node))
+
+
+def op_name(node: Node) -> str | None:
+    """The table key of a call node: its op's name with any in-place ``_`` suffix removed."""
+    name = target_name(node)
+    return name[:-1] if name is not None and _has_inplace_suffix(name) else name
+
+
+def mutated_aliases(graph: Graph) -> set[Node]:
+    """Every node that may share storage with a tensor that some op of ``graph`` mutates in place.
+
+    Casts of these are copies whose value depends on where they are taken, so passes never share,
+    move or merge them.
+    """
+    nodes = list(graph.nodes)
+    parent: dict[Node, Node] = {}
+
+    def root(n: Node) -> Node:
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+
+    for n in nodes:
+        src = n.args[0] if n.args else None
+        if isinstance(src, Node) and (op_name(n) in MAY_ALIAS or is_inplace(n)):
+            parent[root(n)] = root(src)
+    mutated = {root(n) for n in nodes if is_inplace(n)}
+    return {n for n in nodes if root(n) in mutated} if mutated else set()
+
+
+def tensor_val(node: Node) -> Any:
+    """The fake value recorded for ``node`` (``meta["val"]``, or Dynamo's ``example_value``)."""
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def float_dtype(node: Any) -> torch.dtype | None:
+    """The dtype of ``node`` if it is a graph node producing one floating-point tensor."""
+    if not isinstance(node, Node):
+        return None
+    val = tensor_val(node)
+    if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+        return val.dtype
+    return None
+
+
+_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+_INDEX = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
+
+
+def layer_of(node: Node) -> str:
+    """The module path (``layers.0.fc``) that ``node`` belongs to, or "" at the model's top level.
+
+    Forward nodes carry Dynamo's ``nn_module_stack``; backward nodes of AOTAutograd's joint graph
+    carry ``fwd_nn_module_stack``.
+    """
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    path = _ROOT.sub("", str(path))
+    return _INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), path).lstrip(".")
+
+
+def provenance(node: Node, pass_name: str, reason: str, **extra: Any) -> None:
+    """Record on ``node`` which pass decided what about it, for which layer, and why."""
+    node.meta[PROVENANCE_KEY] = {"pass": pass_name, "layer": layer_of(node), "reason": reason, **extra}
+
+
+_CAST_METHODS: dict[str, torch.dtype] = {
+    "float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64,
+}
+
+
+def cast_of(node: Node) -> tuple[Node, torch.dtype] | None:
+    """``(source, dtype)`` if ``node`` only converts the dtype of ``source``, else None.
+
+    Recognizes ``x.to(dtype)``, ``x.float()``/``half()``/…, ``prims.convert_element_type`` and a
+    dtype-only ``aten._to_copy``, so one fold serves the Dynamo and the ATen graphs.
+    """
+    args, kwargs = node.args, node.kwargs
+    if not args or not isinstance(args[0], Node):
+        return None
+    src, dtype = args[0], None
+    name = target_name(node)
+    if node.op == "call_method" and name in _CAST_METHODS and len(args) == 1 and not kwargs:
+        dtype = _CAST_METHODS[name]
+    elif node.op == "call_method" and name == "to" and set(kwargs) <= {"dtype"}:
+        positional = args[1:]
+        if "dtype" in kwargs and not positional:
+            dtype = kwargs["dtype"]
+        elif "dtype" not in kwargs and len(positional) == 1:
+            dtype = positional[0]  # x.to(device) or x.to(tensor) are not dtype casts: rejected below
+    elif node.target is torch.ops.prims.convert_element_type.default:
+        dtype = args[1]
+    elif node.target is torch.ops.aten._to_copy.default and len(args) == 1 and set(kwargs) == {"dtype"}:
+        dtype = kwargs["dtype"]
+    return (src, dtype) if isinstance(dtype, torch.dtype) else None
+
+
+def insert_cast(graph: Graph, src: Node, dtype: torch.dtype, *, before: Node, like: Node | None = None) -> Node:
+    """Insert ``src.to(dtype)`` right before ``before`` (the first op that reads it).
+
+    The cast gets its fake value, and the module stack and source line of ``like`` (default
+    ``before``: the op it serves), so that AOTAutograd's backward nodes for it map to that op's
+    layer (``fwd_nn_module_stack``).
+    """
+    with graph.inserting_before(before):
+        cast = graph.call_method("to", (src,), {"dtype": dtype})
+    val = tensor_val(src)
+    if isinstance(val, torch.Tensor):
+        cast.meta["val"] = val.to(dtype)
+    like = like if like is not None else before
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in like.meta:
+            cast.meta[key] = like.meta[key]
+    return cast

@@ -1,0 +1,140 @@
+"""The pass manager: runs the pipeline, and is the one place invariants are checked.
+
+A pass is a function ``verb_noun(gm, cfg) -> PassResult`` that rewrites ``gm.graph`` in place and
+says whether it changed it. After every pass that did, the manager lints and recompiles the
+module, refreshes the fake values (``node.meta["val"]``) and checks:
+
+* every node the pass created records its provenance (``node.meta["autoscale"]["pass"]``);
+* the graph's outputs keep their dtypes and shapes (a pass may change how a value is computed,
+  never the module's interface).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
+
+from .graph_utils import PROVENANCE_KEY, tensor_val
+
+if TYPE_CHECKING:
+    from autoscale.config import Config
+
+__all__ = ["InvariantError", "PassRecord", "PassResult", "PassSpec", "Stage", "run_stage"]
+
+log = logging.getLogger("autoscale.passes")
+
+Stage = Literal["dynamo", "joint"]
+"""Where a pass runs: on Dynamo's torch-level graph before autograd, or on AOTAutograd's joint
+forward+backward ATen graph before it is partitioned."""
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass did: the (same) module, whether it changed, and counts of its rewrites."""
+
+    gm: GraphModule
+    modified: bool
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+
+PassFn = Callable[[GraphModule, "Config"], PassResult]
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """One entry of the pipeline: a pass and the stage it runs at."""
+
+    fn: PassFn
+    stage: Stage
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did in one run of the pipeline."""
+
+    name: str
+    stage: Stage
+    modified: bool
+    counts: Mapping[str, int]
+    seconds: float
+
+
+class InvariantError(RuntimeError):
+    """A pass broke an invariant of the pipeline: a bug in autoscale, never in the user's model."""
+
+
+def run_stage(gm: GraphModule, cfg: Config, stage: Stage, pipeline: Sequence[PassSpec]) -> list[PassRecord]:
+    """Run the passes of ``pipeline`` that belong to ``stage`` on ``gm``, in order."""
+    _ensure_vals(gm)
+    records = []
+    for spec in pipeline:
+        if spec.stage != stage:
+            continue
+        before = set(gm.graph.nodes)
+        signature = _output_signature(gm)
+        start = time.perf_counter()
+        result = spec.fn(gm, cfg)
+        if result.gm is not gm:
+            raise InvariantError(f"pass {spec.name} returned a different GraphModule; passes rewrite in place")
+        if result.modified:
+            gm.graph.lint()
+            gm.recompile()
+            refresh_vals(gm)
+            _check_provenance(gm.graph.nodes, before, spec.name)
+            _check_signature(signature, _output_signature(gm), spec.name)
+        records.append(PassRecord(spec.name, stage, result.modified, dict(result.counts),
+                                  time.perf_counter() - start))
+        log.debug("%s (%s): modified=%s %s", spec.name, stage, result.modified, dict(result.counts))
+    return records
+
+
+def _ensure_vals(gm: GraphModule) -> None:
+    """Give every node ``meta["val"]``: Dynamo's graphs carry it as ``example_value``; graphs
+    built by hand get it propagated from their inputs."""
+    for node in gm.graph.nodes:
+        if "val" not in node.meta and "example_value" in node.meta:
+            node.meta["val"] = node.meta["example_value"]
+    if any("val" not in n.meta for n in gm.graph.nodes if n.op != "output"):
+        refresh_vals(gm)
+
+
+def refresh_vals(gm: GraphModule) -> None:
+    """Re-propagate fake values through ``gm`` after a rewrite, in the fake mode of its inputs."""
+    inputs = [tensor_val(p) for p in gm.graph.find_nodes(op="placeholder")]
+    modes = {v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)}
+    if len(modes) != 1:  # no fake inputs (or several modes): nothing to propagate in
+        return
+    FakeTensorProp(gm, modes.pop()).propagate_dont_convert_inputs(*inputs)
+
+
+def _output_signature(gm: GraphModule) -> list[Any]:
+    (out,) = gm.graph.find_nodes(op="output")
+    sig = []
+    for arg in pytree.tree_leaves(out.args):
+        val = tensor_val(arg) if isinstance(arg, Node) else None
+        sig.append((val.dtype, tuple(val.shape)) if isinstance(val, torch.Tensor) else None)
+    return sig
+
+
+def _check_provenance(nodes: Iterable[Node], before: set[Node], pass_name: str) -> None:
+    missing = [n.name for n in nodes if n not in before and
+               n.meta.get(PROVENANCE_KEY, {}).get("pass") != pass_name]
+    if missing:
+        raise InvariantError(f"pass {pass_name} created nodes without provenance: {', '.join(missing)}")
+
+
+def _check_signature(before: list[Any], after: list[Any], pass_name: str) -> None:
+    if before != after:
+        raise InvariantError(f"pass {pass_name} changed the graph's outputs from {before} to {after}")

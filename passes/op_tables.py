@@ -1,0 +1,150 @@
+"""The precision tables: which ops run in low precision, which must not, which follow their inputs.
+
+This module is data. Ops are keyed by name, so one table serves the torch-level graph Dynamo
+produces (``linear``, ``softmax``, ``add``) and the ATen graph AOTAutograd produces (``addmm``,
+``_softmax``, ``native_layer_norm``). Users extend or override it with ``Config.allow`` /
+``deny`` / ``infer`` / ``clear``.
+
+Categories (the four lists of TensorFlow's auto-mixed-precision pass and of torch.autocast):
+
+allow   low precision is fast and safe: GEMMs and convolutions (FP32 accumulation in hardware).
+deny    must stay float32: exponentials/logs/powers that overflow, reductions over large extents,
+        normalization statistics, losses. The value is the reason shown in reports.
+infer   elementwise math: low precision when it sits between low-precision ops, else float32.
+clear   data movement and exact ops (views, relu, max): follow their neighbours at no risk.
+fixed   explicit dtype conversions written in the model: the model's choice is kept.
+meta    ops that read only sizes and strides: never cast.
+
+An op in none of these is *unknown*: it stays float32 and is reported, never a crash.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from types import MappingProxyType
+from typing import Final, Mapping
+
+__all__ = [
+    "ALLOW", "CLEAR", "DENY", "FIXED", "INFER", "META", "VIEWS", "Category", "category_of", "deny_reason",
+]
+
+
+class Category(str, Enum):
+    ALLOW = "allow"
+    DENY = "deny"
+    INFER = "infer"
+    CLEAR = "clear"
+    FIXED = "fixed"
+    META = "meta"
+    UNKNOWN = "unknown"
+
+
+ALLOW: Final = frozenset({
+    # torch level
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "einsum",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "scaled_dot_product_attention", "bilinear",
+    # aten level
+    "convolution", "_convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+})
+
+_EXP = "exp/log/pow overflow or lose precision in float16"
+_REDUCE = "reduction over a large extent accumulates error in float16"
+_NORM = "normalization statistics need float32"
+_LOSS = "losses are computed in float32"
+_SOFTMAX = "softmax exponentiates: float32 avoids overflow"
+
+DENY: Final[Mapping[str, str]] = MappingProxyType({
+    **dict.fromkeys(
+        ("exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "pow", "float_power", "reciprocal",
+         "rsqrt", "sinh", "cosh", "tan", "acos", "asin", "erfinv", "softplus", "logit", "xlogy"),
+        _EXP),
+    **dict.fromkeys(
+        ("sum", "mean", "nansum", "nanmean", "cumsum", "cumprod", "prod", "var", "std", "var_mean",
+         "std_mean", "logsumexp", "logcumsumexp", "norm", "linalg_vector_norm", "vector_norm",
+         "frobenius_norm", "dist", "cdist", "pdist", "renorm", "cosine_similarity", "normalize",
+         "sum_to_size", "trace"),
+        _REDUCE),
+    **dict.fromkeys(("softmax", "log_softmax", "softmin", "_softmax", "_log_softmax",
+                     "gumbel_softmax"), _SOFTMAX),
+    **dict.fromkeys(
+        ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "local_response_norm",
+         "native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
+         "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
+         "_fused_rms_norm", "weight_norm"),
+        _NORM),
+    **dict.fromkeys(
+        ("cross_entropy", "nll_loss", "nll_loss_forward", "nll_loss2d", "mse_loss", "l1_loss",
+         "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+         "kl_div", "poisson_nll_loss", "gaussian_nll_loss", "cosine_embedding_loss", "ctc_loss",
+         "margin_ranking_loss", "hinge_embedding_loss", "multi_margin_loss", "multilabel_margin_loss",
+         "multilabel_soft_margin_loss", "soft_margin_loss", "triplet_margin_loss"),
+        _LOSS),
+})
+
+INFER: Final = frozenset({
+    "add", "sub", "rsub", "mul", "div", "truediv", "floordiv", "true_divide", "neg", "square", "sqrt",
+    "addcmul", "addcdiv", "lerp", "fma", "gelu", "silu", "mish", "tanh", "sigmoid", "hardsigmoid",
+    "hardswish", "elu", "selu", "celu", "leaky_relu", "rrelu", "prelu", "glu", "logsigmoid",
+    "softsign", "tanhshrink", "sin", "cos", "erf", "erfc", "atan", "atan2", "sign", "avg_pool1d",
+    "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+    "_adaptive_avg_pool2d", "interpolate", "upsample_nearest2d", "upsample_bilinear2d",
+    "pixel_shuffle", "pixel_unshuffle", "hypot",
+})
+
+CLEAR: Final = frozenset({
+    "view", "reshape", "_reshape_alias", "_unsafe_view", "flatten", "unflatten", "permute",
+    "transpose", "t", "contiguous", "clone", "expand", "expand_as", "squeeze", "unsqueeze", "narrow",
+    "select", "slice", "getitem", "unbind", "split", "split_with_sizes", "chunk", "tensor_split",
+    "cat", "concat", "concatenate", "stack", "hstack", "vstack", "repeat", "repeat_interleave",
+    "tile", "roll", "flip", "index_select", "gather", "take_along_dim", "masked_fill", "where",
+    "index", "pad", "constant_pad_nd", "embedding", "relu", "relu6", "hardtanh", "threshold",
+    "clamp", "clamp_min", "clamp_max", "clip", "abs", "maximum", "minimum", "max", "min", "amax",
+    "amin", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+    "max_pool2d_with_indices", "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+    "feature_alpha_dropout", "native_dropout", "detach", "alias", "zeros_like", "ones_like",
+    "empty_like", "full_like", "channel_shuffle", "movedim", "swapaxes", "diagonal", "tril", "triu",
+    "as_strided", "view_as", "sort", "topk",
+})
+
+# Ops that read only metadata (sizes, strides): their inputs are never cast.
+META: Final = frozenset({
+    "size", "sym_size", "dim", "ndimension", "numel", "sym_numel", "nelement", "stride",
+    "sym_stride", "getattr", "is_floating_point", "is_contiguous", "element_size", "storage_offset",
+})
+
+# Ops whose output aliases their (first) input: a cast in between would break the alias.
+VIEWS: Final = frozenset({
+    "view", "reshape", "_reshape_alias", "flatten", "unflatten", "permute", "transpose", "t",
+    "contiguous", "expand", "expand_as", "squeeze", "unsqueeze", "narrow", "select", "slice",
+    "getitem", "unbind", "split", "split_with_sizes", "chunk", "tensor_split", "detach", "alias",
+    "as_strided", "view_as", "movedim", "swapaxes", "diagonal",
+})
+
+FIXED: Final = frozenset({
+    "to", "type", "type_as", "float", "double", "half", "bfloat16", "_to_copy",
+    "convert_element_type", "_to_dtype",
+})
+
+_BUILTIN: Final[Mapping[str, Category]] = MappingProxyType({
+    **{op: Category.CLEAR for op in CLEAR},
+    **{op: Category.INFER for op in INFER},
+    **{op: Category.DENY for op in DENY},
+    **{op: Category.ALLOW for op in ALLOW},
+    **{op: Category.FIXED for op in FIXED},
+    **{op: Category.META for op in META},
+})
+
+
+def category_of(op: str, overrides: Mapping[str, str] | None = None) -> Category:
+    """The category of op name ``op``; ``overrides`` (op -> category name) wins over the tables."""
+    if overrides and op in overrides:
+        return Category(overrides[op])
+    return _BUILTIN.get(op, Category.UNKNOWN)
+
+
+def deny_reason(op: str) -> str:
+    """Why ``op`` stays float32 (for reports)."""
+    return DENY.get(op, "listed as deny in Config.deny")

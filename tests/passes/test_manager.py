@@ -1,0 +1,75 @@
+"""The pass manager checks the pipeline's invariants after every pass that changed the graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx import GraphModule
+
+import autoscale
+from autoscale.passes import InvariantError, PassResult, PassSpec, run_stage
+from autoscale.passes.graph_utils import provenance
+from tests.helpers import capture
+from tests.models import mlp_case
+
+
+def _graph() -> GraphModule:
+    model, (x,), _ = mlp_case()
+    (gm, _), = capture(model, x)
+    return gm
+
+
+def _relu_after_first_linear(gm: GraphModule, *, record: bool) -> PassResult:
+    linear = next(n for n in gm.graph.nodes if n.op == "call_function")
+    with gm.graph.inserting_after(linear):
+        extra = gm.graph.call_function(torch.relu, (linear,))
+    linear.replace_all_uses_with(extra, delete_user_cb=lambda u: u is not extra)
+    if record:
+        provenance(extra, "adds_relu", "test", created=True)
+    return PassResult(gm, modified=True)
+
+
+def test_created_nodes_need_provenance() -> None:
+    def adds_relu(gm: GraphModule, cfg: autoscale.Config) -> PassResult:
+        return _relu_after_first_linear(gm, record=False)
+
+    with pytest.raises(InvariantError, match="created nodes without provenance: relu"):
+        run_stage(_graph(), autoscale.Config(), "dynamo", [PassSpec(adds_relu, "dynamo")])
+
+
+def test_provenance_satisfies_the_check_and_vals_are_refreshed() -> None:
+    def adds_relu(gm: GraphModule, cfg: autoscale.Config) -> PassResult:
+        return _relu_after_first_linear(gm, record=True)
+
+    gm = _graph()
+    (record,) = run_stage(gm, autoscale.Config(), "dynamo", [PassSpec(adds_relu, "dynamo")])
+    assert record.modified
+    relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
+    assert relu.meta["val"].shape == (8, 32)  # fake value propagated by the manager
+    assert relu.meta["autoscale"] == {"pass": "adds_relu", "layer": "", "reason": "test", "created": True}
+
+
+def test_output_dtype_change_is_refused() -> None:
+    def halves_output(gm: GraphModule, cfg: autoscale.Config) -> PassResult:
+        (out,) = gm.graph.find_nodes(op="output")
+        result = out.args[0][0]
+        with gm.graph.inserting_before(out):
+            half = gm.graph.call_method("half", (result,))
+        provenance(half, "halves_output", "test", created=True)
+        out.replace_input_with(result, half)
+        return PassResult(gm, modified=True)
+
+    with pytest.raises(InvariantError, match="changed the graph's outputs"):
+        run_stage(_graph(), autoscale.Config(), "dynamo", [PassSpec(halves_output, "dynamo")])
+
+
+def test_stage_filter_and_unmodified_pass_is_not_relinted() -> None:
+    calls = []
+
+    def looks(gm: GraphModule, cfg: autoscale.Config) -> PassResult:
+        calls.append(gm)
+        return PassResult(gm, modified=False)
+
+    records = run_stage(_graph(), autoscale.Config(), "dynamo",
+                        [PassSpec(looks, "dynamo"), PassSpec(looks, "joint")])
+    assert len(calls) == 1 and [r.stage for r in records] == ["dynamo"]

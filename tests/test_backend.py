@@ -1,0 +1,150 @@
+"""The backend end to end: numerics against eager float32, master weights, compile counts,
+graph breaks, the named entry point and Inductor."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+
+import autoscale
+from tests.helpers import step, twin
+from tests.models import conv_case, mlp_case, transformer_case
+from tests.tolerances import SQNR_MIN_DB, SQNR_MIN_DB_SAME_GRAPH, sqnr
+
+CASES = {"mlp": mlp_case, "convnet": conv_case, "transformer": transformer_case}
+
+
+def _compare_to_fp32(case: str, config: autoscale.Config) -> autoscale.Backend:
+    model, inputs, targets = CASES[case]()
+    reference = twin(model)
+    backend = autoscale.backend(config)
+    loss, grads = step(model, torch.compile(model, backend=backend), inputs, targets)
+    ref_loss, ref_grads = step(reference, None, inputs, targets)
+
+    tol = {q: SQNR_MIN_DB[(config.dtype, q)] for q in ("output", "grads", "grad")}
+    assert sqnr(ref_loss, loss) >= tol["output"], (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    assert sqnr(_flat(ref_grads), _flat(grads)) >= tol["grads"]
+    for name, ref in ref_grads.items():
+        assert grads[name].dtype == torch.float32, name  # master weights get float32 gradients
+        assert sqnr(ref, grads[name]) >= tol["grad"], (name, sqnr(ref, grads[name]))
+    # ...and low precision really happened: the results are not float32's.
+    assert not all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+    assert not torch.equal(loss, ref_loss)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    return backend
+
+
+def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.flatten() for _, g in sorted(grads.items())])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_numerics_against_eager_fp32(case: str, dtype: torch.dtype) -> None:
+    backend = _compare_to_fp32(case, autoscale.Config(executor="eager", dtype=dtype))
+    (report,) = backend.reports
+    assert report.converted > 0 and report.casts > 0
+
+
+def test_convnet_buffers_follow_fp32() -> None:
+    """Batch-norm statistics are deny-listed: running stats are updated in float32, like eager."""
+    model, inputs, targets = conv_case()
+    reference = twin(model)
+    step(model, torch.compile(model, backend=autoscale.backend(autoscale.Config(executor="eager"))),
+         inputs, targets)
+    step(reference, None, inputs, targets)
+    for (name, buf), ref in zip(model.named_buffers(), reference.buffers(), strict=True):
+        assert buf.dtype == ref.dtype, name
+        if buf.is_floating_point():
+            assert sqnr(ref, buf) >= SQNR_MIN_DB[(torch.float16, "output")], name
+
+
+def test_ten_training_steps_compile_once() -> None:
+    model, inputs, targets = mlp_case()
+    backend = autoscale.backend(autoscale.Config(executor="eager"))
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(10):
+        loss, _ = step(model, compiled, inputs, targets)
+        opt.step()
+        losses.append(loss.item())
+    assert len(backend.records) == 1
+    assert losses[-1] < losses[0]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+class _Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_graph_break_every_subgraph_converted_and_trains() -> None:
+    torch.manual_seed(0)
+    model, x, y = _Broken(), torch.randn(8, 16), torch.randint(0, 5, (8,))
+    reference = twin(model)
+    backend = autoscale.backend(autoscale.Config(executor="eager"))
+    loss, grads = step(model, torch.compile(model, backend=backend), (x,), y)
+    _, ref_grads = step(reference, None, (x,), y)
+    assert len(backend.records) == 2
+    assert all(r.report.converted >= 1 for r in backend.records)
+    for name, ref in ref_grads.items():
+        assert sqnr(ref, grads[name]) >= SQNR_MIN_DB[(torch.float16, "grad")], name
+    assert math.isfinite(loss.item())
+
+
+def test_named_backend_is_discoverable() -> None:
+    assert "autoscale" in torch._dynamo.list_backends()
+
+
+def test_named_backend_inductor_matches_eager_executor() -> None:
+    """``backend="autoscale"`` (Inductor) runs the same numerics as the eager executor, and both
+    differ from float32: Inductor keeps every float16 rounding (emulate_precision_casts)."""
+    model, inputs, targets = mlp_case()
+    eager_twin = twin(model)
+    loss, grads = step(model, torch.compile(model, backend="autoscale"), inputs, targets)
+    torch._dynamo.reset()
+    eager_backend = autoscale.backend(autoscale.Config(executor="eager"))
+    eager_loss, eager_grads = step(eager_twin, torch.compile(eager_twin, backend=eager_backend), inputs, targets)
+    assert sqnr(eager_loss, loss) >= SQNR_MIN_DB_SAME_GRAPH
+    for name, ref in eager_grads.items():
+        assert grads[name].dtype == torch.float32
+        assert sqnr(ref, grads[name]) >= SQNR_MIN_DB_SAME_GRAPH, name
+
+
+def test_inductor_keeps_fp16_rounding_inside_fused_kernels() -> None:
+    """A float32 -> float16 -> float32 round trip inside one fused kernel must still round."""
+    x = torch.full((4,), 1 + 2.0**-12)  # rounds to 1.0 in float16
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return t.half().float() * 3
+
+    out = torch.compile(f, backend="autoscale")(x)
+    assert torch.equal(out, torch.full((4,), 3.0))
+
+
+@pytest.mark.gpu
+def test_native_fp16_on_cuda() -> None:
+    model, inputs, targets = mlp_case()
+    model = model.cuda()
+    inputs = tuple(i.cuda() for i in inputs)
+    reference = twin(model)
+    backend = autoscale.backend()
+    loss, grads = step(model, torch.compile(model, backend=backend), inputs, targets.cuda())
+    ref_loss, ref_grads = step(reference, None, inputs, targets.cuda())
+    assert backend.records[0].config.compute == "native"
+    assert sqnr(ref_loss, loss) >= SQNR_MIN_DB[(torch.float16, "output")]
+    for name, ref in ref_grads.items():
+        assert grads[name].dtype == torch.float32
+        assert sqnr(ref, grads[name]) >= SQNR_MIN_DB[(torch.float16, "grad")], name

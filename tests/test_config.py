@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autoscale
+from autoscale import Config, ScalingConfig
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": torch.float32}, r"Config.dtype=torch.float32 is not valid; allowed values: torch.float16"),
+        ({"dtype": "fp8"}, r"Config.dtype='fp8' is not valid"),
+        ({"compute": "fast"}, r"Config.compute='fast' is not valid; allowed values: 'auto', 'native', 'emulate'"),
+        ({"executor": "tvm"}, r"Config.executor='tvm' is not valid; allowed values: 'inductor', 'eager'"),
+        ({"allow": "linear"}, r"Config.allow must be a tuple of op names"),
+        ({"deny": ("",)}, r"Config.deny must contain op names"),
+        ({"allow": ("mm",), "deny": ("mm",)}, r"op 'mm' is listed in both Config.allow and Config.deny"),
+        ({"scaling": "adaptive"}, r"Config.scaling must be a ScalingConfig"),
+    ],
+)
+def test_invalid_config_names_field_and_allowed_values(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Config(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"mode": "auto"}, r"ScalingConfig.mode='auto' is not valid; allowed values: 'adaptive', 'dynamic'"),
+    ({"gamma": 0.0}, r"ScalingConfig.gamma=0.0 is not valid"),
+])
+def test_invalid_scaling_config(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ScalingConfig(**kwargs)
+
+
+def test_config_is_frozen_normalized_and_hashable() -> None:
+    cfg = Config(dtype="bf16", allow=["my_op"])  # type: ignore[arg-type]
+    assert cfg.dtype is torch.bfloat16 and cfg.allow == ("my_op",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.dtype = torch.float16  # type: ignore[misc]
+    assert hash(cfg) == hash(Config(dtype=torch.bfloat16, allow=("my_op",)))
+    assert cfg.op_overrides == {"my_op": "allow"}
+
+
+def test_compute_auto_resolves_by_device() -> None:
+    assert Config().resolved(torch.device("cpu")).compute == "emulate"
+    assert Config().resolved(torch.device("cuda")).compute == "native"
+    assert Config(compute="native").resolved(torch.device("cpu")).compute == "native"
+
+
+def test_recipes() -> None:
+    assert autoscale.recipe("debug").executor == "eager"
+    assert autoscale.recipe("bf16", executor="eager") == Config(dtype=torch.bfloat16, executor="eager")
+    assert set(autoscale.recipe_names()) >= {"default", "debug", "bf16"}
+    with pytest.raises(ValueError, match="unknown recipe 'fast'; known recipes: 'default'"):
+        autoscale.recipe("fast")
+
+
+def test_backend_refuses_non_config() -> None:
+    with pytest.raises(ValueError, match="must be an autoscale.Config"):
+        autoscale.backend({"dtype": "float16"})  # type: ignore[arg-type]
