@@ -19,6 +19,7 @@ from torch.fx import GraphModule
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport, precision_report
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
+from autoscale.passes.graph_utils import dtype_name
 
 __all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend"]
 
@@ -72,7 +73,7 @@ class Backend:
 
         cfg = self.config.resolved(_device_of(example_inputs))
         passes = run_stage(gm, cfg, "dynamo", self.pipeline)
-        report = precision_report(gm, dtype=str(cfg.dtype).removeprefix("torch."), compute=cfg.compute)
+        report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
         record = CompileRecord(cfg, report, passes)
         self.records.append(record)
         log.info("autoscale graph %d: %s", len(self.records) - 1, report)

@@ -50,7 +50,8 @@ def compile_inductor(gm: GraphModule, example_inputs: Sequence[Any], stage: Join
     from torch._inductor.compile_fx import compile_fx
 
     patches = {"emulate_precision_casts": True, "joint_custom_pre_pass": _JointPass(stage)}
-    return compile_fx(gm, list(example_inputs), config_patches=patches)
+    compiled: Callable[..., Any] = compile_fx(gm, list(example_inputs), config_patches=patches)  # type: ignore[assignment]
+    return compiled
 
 
 def compile_eager(gm: GraphModule, example_inputs: Sequence[Any], stage: JointStage) -> Callable[..., Any]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule
 
-from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, op_name, target_name
+from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, op_name, target_name
 
 __all__ = ["Island", "PrecisionReport", "format_graph", "precision_report"]
 
@@ -114,7 +114,7 @@ def _format_type(val: object) -> str:
     import torch
 
     if isinstance(val, torch.Tensor):
-        dtype = str(val.dtype).removeprefix("torch.")
+        dtype = dtype_name(val.dtype)
         return f"{_DTYPE_ABBREV.get(dtype, dtype)}[{', '.join(str(s) for s in val.shape)}]"
     if isinstance(val, tuple | list):
         return "(" + ", ".join(_format_type(v) for v in val) + ")"
@@ -133,5 +133,5 @@ def _format_arg(arg: object) -> str:
     if isinstance(arg, dict):
         return "{" + ", ".join(f"{k}: {_format_arg(v)}" for k, v in arg.items()) + "}"
     if isinstance(arg, torch.dtype):
-        return str(arg).removeprefix("torch.")
+        return dtype_name(arg)
     return repr(arg)

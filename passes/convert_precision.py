@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .graph_utils import float_dtype, insert_cast, mutated_aliases, op_name, provenance, tensor_val
+from .graph_utils import dtype_name, float_dtype, insert_cast, mutated_aliases, op_name, provenance, tensor_val
 from .manager import PassResult
 from .op_tables import Category, category_of, deny_reason
 
@@ -59,14 +59,10 @@ def convert_precision(gm: GraphModule, cfg: Config) -> PassResult:
     for node, decision in paint.items():
         dtype = cfg.dtype if decision.low else _orig_dtype(node)
         provenance(node, PASS, decision.reason, category=decision.category.value,
-                   precision=_name(dtype))
+                   precision=dtype_name(dtype))
     casts = _insert_casts(graph, paint, pinned, cfg.dtype)
     low = sum(d.low for d in paint.values())
     return PassResult(gm, modified=casts > 0, counts={"ops": len(paint), "low": low, "casts": casts})
-
-
-def _name(dtype: torch.dtype | None) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # ----------------------------------------------------------------------------------- painting
@@ -74,7 +70,7 @@ def _name(dtype: torch.dtype | None) -> str:
 
 def _paint(graph: Graph, cfg: Config, pinned: set[Node]) -> dict[Node, _Paint]:
     nodes = list(graph.nodes)
-    low_name = _name(cfg.dtype)
+    low_name = dtype_name(cfg.dtype)
     category = {n: _category(n, cfg) for n in nodes if n.op in _CALLS and _floating(n)}
     paintable = {n for n in category if n not in pinned and _orig_dtype(n) == _FP32}
     allow = {n for n in paintable if category[n] is Category.ALLOW}
@@ -142,7 +138,7 @@ def _keep_reason(n: Node, c: Category, pinned: set[Node], origin: dict[Node, Nod
     if n in pinned:
         return "aliases a tensor mutated in place"
     if _orig_dtype(n) != _FP32:
-        return f"computes in {_name(_orig_dtype(n))} in the model"
+        return f"computes in {dtype_name(_orig_dtype(n))} in the model"
     if c is Category.DENY:
         return f"deny list: {deny_reason(op_name(n) or '')}"
     if c is Category.UNKNOWN:
@@ -201,7 +197,7 @@ def _insert_casts(graph: Graph, paint: dict[Node, _Paint], pinned: set[Node], lo
             cast = shared.get((a, wanted))
             if cast is None:
                 cast = insert_cast(graph, a, wanted, before=n)
-                provenance(cast, PASS, f"{_name(has)} -> {_name(wanted)} for {n.name}", created=True)
+                provenance(cast, PASS, f"{dtype_name(has)} -> {dtype_name(wanted)} for {n.name}", created=True)
                 count += 1
                 if a not in pinned:  # a tensor mutated in place is cast before each reader
                     shared[(a, wanted)] = cast

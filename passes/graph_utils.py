@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.fx import Graph, Node
@@ -15,6 +16,7 @@ __all__ = [
     "MAY_ALIAS",
     "PROVENANCE_KEY",
     "cast_of",
+    "dtype_name",
     "float_dtype",
     "insert_cast",
     "is_inplace",
@@ -96,6 +98,11 @@ def mutated_aliases(graph: Graph) -> set[Node]:
     return {n for n in nodes if root(n) in mutated} if mutated else set()
 
 
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """``torch.float16`` -> ``"float16"``, for reports and provenance."""
+    return str(dtype).removeprefix("torch.")
+
+
 def tensor_val(node: Node) -> Any:
     """The fake value recorded for ``node`` (``meta["val"]``, or Dynamo's ``example_value``)."""
     return node.meta.get("val", node.meta.get("example_value"))
@@ -148,7 +155,7 @@ def cast_of(node: Node) -> tuple[Node, torch.dtype] | None:
     args, kwargs = node.args, node.kwargs
     if not args or not isinstance(args[0], Node):
         return None
-    src, dtype = args[0], None
+    src, dtype = args[0], None  # type: tuple[Node, Any]
     name = target_name(node)
     if node.op == "call_method" and name in _CAST_METHODS and len(args) == 1 and not kwargs:
         dtype = _CAST_METHODS[name]

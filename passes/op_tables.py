@@ -20,16 +20,17 @@ An op in none of these is *unknown*: it stays float32 and is reported, never a c
 
 from __future__ import annotations
 
-from enum import Enum
+from collections.abc import Mapping
+from enum import StrEnum
 from types import MappingProxyType
-from typing import Final, Mapping
+from typing import Final
 
 __all__ = [
     "ALLOW", "CLEAR", "DENY", "FIXED", "INFER", "META", "VIEWS", "Category", "category_of", "deny_reason",
 ]
 
 
-class Category(str, Enum):
+class Category(StrEnum):
     ALLOW = "allow"
     DENY = "deny"
     INFER = "infer"

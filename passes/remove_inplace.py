@@ -13,7 +13,8 @@ group in its original dtype.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -42,7 +43,8 @@ def remove_inplace(gm: GraphModule, cfg: Config) -> PassResult:
         target = _out_of_place(node)
         if target is None or not _is_private(node.args[0]):
             continue
-        mutated: Node = node.args[0]  # type: ignore[assignment]
+        mutated = node.args[0]
+        assert isinstance(mutated, Node)
         kwargs = {k: v for k, v in node.kwargs.items() if k != "inplace"}
         with graph.inserting_after(node):
             functional = graph.create_node(node.op, target, node.args, kwargs)

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from autoscale.passes import PIPELINE, PassSpec, run_stage
 from torch.fx import GraphModule
 
 from autoscale import Config
-from autoscale.passes import PIPELINE, PassSpec, run_stage
 
 
 def capture(fn: Callable[..., Any], *inputs: Any) -> list[tuple[GraphModule, list[Any]]]:

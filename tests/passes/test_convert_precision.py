@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, is_inplace, op_name
 
 import autoscale
 from autoscale.inspect import format_graph, precision_report
-from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, is_inplace, op_name
 from tests.helpers import rewrite, step, twin
 from tests.models import MLP, mlp_case
 from tests.tolerances import SQNR_MIN_DB, sqnr
@@ -227,7 +227,7 @@ def test_inplace_on_graph_input_is_left_alone_and_correct() -> None:
 def test_report_counts(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     gm = rewrite(MLP(), torch.randn(4, 16), config=autoscale.Config(compute="native", dtype=dtype))
-    report = precision_report(gm, dtype=str(dtype).removeprefix("torch."), compute="native")
+    report = precision_report(gm, dtype=dtype_name(dtype), compute="native")
     # fc1, relu, fc2, gelu, fc3 all low; casts: x, 6 parameters, and the logits back to float32.
     assert (report.converted, report.total, report.casts) == (5, 5, 8)
     assert str(report).startswith(f"converted 5 of 5 nodes to {report.dtype} using 8 casts")
