@@ -69,7 +69,7 @@ class Backend:
         return [r.report for r in self.records]
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        from autoscale.executors import EXECUTORS  # imports Inductor/AOTAutograd: only when compiling
+        from autoscale.executors import EXECUTORS, inductor_keeps_roundings  # Inductor: only when compiling
 
         cfg = self.config.resolved(_device_of(example_inputs))
         passes = run_stage(gm, cfg, "dynamo", self.pipeline)
@@ -77,6 +77,10 @@ class Backend:
         record = CompileRecord(cfg, report, passes)
         self.records.append(record)
         log.info("autoscale graph %d: %s", len(self.records) - 1, report)
+        if cfg.executor == "inductor" and cfg.compute == "emulate" and not inductor_keeps_roundings():
+            log.warning("autoscale: this torch's Inductor folds float32 -> %s -> float32 round trips, so "
+                        "emulated GEMMs read unrounded float32 inputs; use torch>=2.13 or "
+                        "Config(executor='eager') for exact emulation", dtype_name(cfg.dtype))
         if report.unknown_ops:
             log.warning("autoscale: ops not in the precision tables were kept in float32: %s "
                         "(classify them with Config.allow/deny/infer/clear)", ", ".join(report.unknown_ops))

@@ -11,6 +11,7 @@ the joint stage of the pipeline on its joint forward+backward graph before parti
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from torch.fx import Graph, GraphModule
 import autoscale.passes
 from autoscale.backend import JointStage
 
-__all__ = ["EXECUTORS"]
+__all__ = ["EXECUTORS", "inductor_keeps_roundings"]
 
 Executor = Callable[[GraphModule, Sequence[Any], JointStage], Callable[..., Any]]
 
@@ -44,6 +45,24 @@ class _JointPass(CustomGraphPass):
 
     def uuid(self) -> str:
         return self._uuid
+
+
+@functools.cache
+def inductor_keeps_roundings() -> bool:
+    """Whether this torch's Inductor keeps float32 -> float16 -> float32 round trips.
+
+    With ``emulate_precision_casts`` torch 2.13 keeps them. Older Inductors (2.11 on the GPU
+    machines) fold every chain of float casts in the joint-graph pattern ``pointless_convert``,
+    roundings included, so emulated GEMMs there read unrounded float32 parameters. Native
+    compute is unaffected: the precision pass never emits such a chain.
+    """
+    from torch._inductor.fx_passes import joint_graph
+
+    try:
+        source = inspect.getsource(joint_graph.pointless_convert)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return "emulate_precision_casts" in source
 
 
 def compile_inductor(gm: GraphModule, example_inputs: Sequence[Any], stage: JointStage) -> Callable[..., Any]:

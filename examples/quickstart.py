@@ -1,6 +1,6 @@
 """Train a small MLP on scikit-learn's bundled digits with ``backend="autoscale"``, next to float32.
 
-    python examples/quickstart.py
+    python examples/quickstart.py [--device cuda]
 
 The compiled model runs its forward and backward in float16 where that is safe (GEMMs and the
 activations between them) and in float32 where it is not (the loss), with float32 master
@@ -10,6 +10,7 @@ emulated (float16 storage and rounding, float32 arithmetic); on a GPU they run n
 
 from __future__ import annotations
 
+import argparse
 import copy
 import logging
 import time
@@ -25,19 +26,19 @@ import autoscale
 BATCH, EPOCHS = 64, 8
 
 
-def data() -> tuple[torch.Tensor, ...]:
+def data(device: str) -> list[torch.Tensor]:
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=6 * BATCH, random_state=0)
-    return x_train, x_test, y_train, y_test
+    splits = train_test_split(x, y, test_size=6 * BATCH, random_state=0)
+    return [t.to(device) for t in splits]
 
 
 def train(model: nn.Module, run: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     for _ in range(EPOCHS):
-        order = torch.randperm(len(x), generator=gen)
+        order = torch.randperm(len(x), generator=gen).to(x.device)
         for i in range(0, len(x) - BATCH + 1, BATCH):  # full batches: one compiled shape
             idx = order[i:i + BATCH]
             opt.zero_grad(set_to_none=True)
@@ -52,10 +53,14 @@ def accuracy(run: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu (emulated float16) or cuda (native float16)")
+    device = parser.parse_args().device
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.manual_seed(0)
-    x_train, x_test, y_train, y_test = data()
+    x_train, x_test, y_train, y_test = data(device)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    model = model.to(device)
     fp32 = copy.deepcopy(model)
 
     start = time.perf_counter()

@@ -26,8 +26,9 @@ SQNR_MIN_DB: dict[tuple[torch.dtype, str], float] = {
 }
 
 # Two executors (eager vs Inductor) running the same rewritten graph differ only by summation
-# order and fusion, which emulate_precision_casts keeps from changing any rounding.
-SQNR_MIN_DB_SAME_GRAPH = 60.0
+# order, as long as Inductor keeps every rounding (measured on torch 2.13: bit-identical for the
+# MLP, 136 dB for the transformer). One lost float16 rounding of the inputs costs ~66 dB.
+SQNR_MIN_DB_SAME_GRAPH = 100.0
 
 
 def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
