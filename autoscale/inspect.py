@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from torch.fx import GraphModule
+import torch
+from torch.fx import GraphModule, Node
 
 from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, op_name, target_name
 
@@ -61,7 +62,8 @@ def precision_report(gm: GraphModule, *, dtype: str, compute: str) -> PrecisionR
         if prov is None:
             continue
         if prov.get("created"):
-            casts += prov["pass"] in _CAST_PASSES and cast_of(node) is not None
+            if prov["pass"] in _CAST_PASSES and cast_of(node) is not None:
+                casts += 1
             continue
         if "precision" not in prov:
             continue
@@ -69,7 +71,7 @@ def precision_report(gm: GraphModule, *, dtype: str, compute: str) -> PrecisionR
         op = op_name(node) or str(node.target)
         if prov["precision"] == dtype:
             converted += 1
-        elif prov["category"] in ("deny", "unknown", "fixed") or prov["precision"] == "float32":
+        else:
             islands[(op, prov["reason"])].append(node.name)
         if prov["category"] == "unknown":
             unknown[op] = None
@@ -111,8 +113,6 @@ def format_graph(gm: GraphModule, *, provenance: bool = True) -> str:
 
 
 def _format_type(val: object) -> str:
-    import torch
-
     if isinstance(val, torch.Tensor):
         dtype = dtype_name(val.dtype)
         return f"{_DTYPE_ABBREV.get(dtype, dtype)}[{', '.join(str(s) for s in val.shape)}]"
@@ -122,9 +122,6 @@ def _format_type(val: object) -> str:
 
 
 def _format_arg(arg: object) -> str:
-    import torch
-    from torch.fx import Node
-
     if isinstance(arg, Node):
         return arg.name
     if isinstance(arg, tuple | list):

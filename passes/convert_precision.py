@@ -131,7 +131,15 @@ def _paint(graph: Graph, cfg: Config, pinned: set[Node]) -> dict[Node, _Paint]:
 def _category(n: Node, cfg: Config) -> Category:
     if n.op == "call_module":  # only when Dynamo does not inline modules: opaque to the tables
         return Category.UNKNOWN
-    return category_of(op_name(n) or "", cfg.op_overrides)
+    category = category_of(op_name(n) or "", cfg.op_overrides)
+    if category is Category.FIXED and op_name(n) == "to" and not _names_dtype(n):
+        return Category.CLEAR  # x.to(device) moves data; only a dtype in the call fixes a precision
+    return category
+
+
+def _names_dtype(n: Node) -> bool:
+    """Whether a ``to`` call names its dtype, directly or as another tensor's."""
+    return any(isinstance(a, torch.dtype | Node) for a in (*n.args[1:], *n.kwargs.values()))
 
 
 def _keep_reason(n: Node, c: Category, pinned: set[Node], origin: dict[Node, Node], low_name: str) -> str:

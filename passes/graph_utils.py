@@ -167,9 +167,18 @@ def cast_of(node: Node) -> tuple[Node, torch.dtype] | None:
             dtype = positional[0]  # x.to(device) or x.to(tensor) are not dtype casts: rejected below
     elif node.target is torch.ops.prims.convert_element_type.default:
         dtype = args[1]
-    elif node.target is torch.ops.aten._to_copy.default and len(args) == 1 and set(kwargs) == {"dtype"}:
-        dtype = kwargs["dtype"]
+    elif node.target is torch.ops.aten._to_copy.default and len(args) == 1 and _same_place(src, kwargs):
+        dtype = kwargs.get("dtype")
     return (src, dtype) if isinstance(dtype, torch.dtype) else None
+
+
+def _same_place(src: Node, kwargs: dict[str, Any]) -> bool:
+    """``_to_copy`` kwargs that change nothing but the dtype (AOTAutograd spells out layout and device)."""
+    val = tensor_val(src)
+    return (set(kwargs) <= {"dtype", "layout", "device"}
+            and kwargs.get("layout", torch.strided) == torch.strided
+            and (kwargs.get("device") is None
+                 or (isinstance(val, torch.Tensor) and torch.device(kwargs["device"]) == val.device)))
 
 
 def insert_cast(graph: Graph, src: Node, dtype: torch.dtype, *, before: Node, like: Node | None = None) -> Node:

@@ -82,5 +82,6 @@ def _is_private(node: Any) -> bool:
         isinstance(node, Node)
         and node.op in ("call_function", "call_method")
         and op_name(node) not in MAY_ALIAS
+        and not is_inplace(node)  # the result of x.add_(1) *is* x
         and not any(op_name(u) in MAY_ALIAS for u in node.users)
     )

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-from autoscale.passes import PIPELINE, PassSpec, run_stage
 from torch.fx import GraphModule
 
+import autoscale
 from autoscale import Config
+from autoscale.passes import PIPELINE, PassSpec, run_stage
+from tests.tolerances import SQNR_MIN_DB, sqnr
 
 
 def capture(fn: Callable[..., Any], *inputs: Any) -> list[tuple[GraphModule, list[Any]]]:
@@ -56,3 +59,37 @@ def step(model: torch.nn.Module, compiled: Callable[..., Any] | None, inputs: Se
 
 def twin(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
+
+
+@dataclass
+class Comparison:
+    """One training step through autoscale next to the same step in eager float32."""
+
+    backend: autoscale.Backend
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    ref_loss: torch.Tensor
+    ref_grads: dict[str, torch.Tensor]
+
+
+def step_vs_fp32(model: torch.nn.Module, inputs: Sequence[torch.Tensor], targets: torch.Tensor | None,
+                 config: Config | None = None) -> Comparison:
+    """Run one step of ``model`` compiled with ``config`` (default: the eager executor) and one of
+    an untouched copy in eager float32."""
+    reference = twin(model)
+    backend = autoscale.backend(config or Config(executor="eager"))
+    loss, grads = step(model, torch.compile(model, backend=backend), inputs, targets)
+    ref_loss, ref_grads = step(reference, None, inputs, targets)
+    return Comparison(backend, loss, grads, ref_loss, ref_grads)
+
+
+def assert_matches_fp32(c: Comparison, dtype: torch.dtype = torch.float16) -> None:
+    """Within the tolerance table: the loss, all gradients together, and each one; gradients
+    arrive in float32 (master weights)."""
+    assert sqnr(c.ref_loss, c.loss) >= SQNR_MIN_DB[(dtype, "output")], (c.loss, c.ref_loss)
+    assert c.grads.keys() == c.ref_grads.keys()
+    flat = [torch.cat([g[k].flatten() for k in sorted(g)]) for g in (c.ref_grads, c.grads)]
+    assert sqnr(*flat) >= SQNR_MIN_DB[(dtype, "grads")]
+    for name, ref in c.ref_grads.items():
+        assert c.grads[name].dtype == torch.float32, name
+        assert sqnr(ref, c.grads[name]) >= SQNR_MIN_DB[(dtype, "grad")], (name, sqnr(ref, c.grads[name]))

@@ -3,7 +3,7 @@ graph breaks, the named entry point and Inductor."""
 
 from __future__ import annotations
 
-import math
+import logging
 
 import pytest
 import torch
@@ -12,43 +12,24 @@ import torch.nn as nn
 
 import autoscale
 from autoscale.executors import inductor_keeps_roundings
-from tests.helpers import step, twin
+from tests.helpers import assert_matches_fp32, step, step_vs_fp32, twin
 from tests.models import conv_case, mlp_case, transformer_case
 from tests.tolerances import SQNR_MIN_DB, SQNR_MIN_DB_SAME_GRAPH, sqnr
 
 CASES = {"mlp": mlp_case, "convnet": conv_case, "transformer": transformer_case}
 
 
-def _compare_to_fp32(case: str, config: autoscale.Config) -> autoscale.Backend:
-    model, inputs, targets = CASES[case]()
-    reference = twin(model)
-    backend = autoscale.backend(config)
-    loss, grads = step(model, torch.compile(model, backend=backend), inputs, targets)
-    ref_loss, ref_grads = step(reference, None, inputs, targets)
-
-    tol = {q: SQNR_MIN_DB[(config.dtype, q)] for q in ("output", "grads", "grad")}
-    assert sqnr(ref_loss, loss) >= tol["output"], (loss, ref_loss)
-    assert grads.keys() == ref_grads.keys()
-    assert sqnr(_flat(ref_grads), _flat(grads)) >= tol["grads"]
-    for name, ref in ref_grads.items():
-        assert grads[name].dtype == torch.float32, name  # master weights get float32 gradients
-        assert sqnr(ref, grads[name]) >= tol["grad"], (name, sqnr(ref, grads[name]))
-    # ...and low precision really happened: the results are not float32's.
-    assert not all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
-    assert not torch.equal(loss, ref_loss)
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-    return backend
-
-
-def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([g.flatten() for _, g in sorted(grads.items())])
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_numerics_against_eager_fp32(case: str, dtype: torch.dtype) -> None:
-    backend = _compare_to_fp32(case, autoscale.Config(executor="eager", dtype=dtype))
-    (report,) = backend.reports
+    model, inputs, targets = CASES[case]()
+    c = step_vs_fp32(model, inputs, targets, autoscale.Config(executor="eager", dtype=dtype))
+    assert_matches_fp32(c, dtype)
+    # ...and low precision really happened: the results are not float32's.
+    assert not torch.equal(c.loss, c.ref_loss)
+    assert not all(torch.equal(c.grads[n], c.ref_grads[n]) for n in c.ref_grads)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    (report,) = c.backend.reports
     assert report.converted > 0 and report.casts > 0
 
 
@@ -93,16 +74,10 @@ class _Broken(nn.Module):
 
 def test_graph_break_every_subgraph_converted_and_trains() -> None:
     torch.manual_seed(0)
-    model, x, y = _Broken(), torch.randn(8, 16), torch.randint(0, 5, (8,))
-    reference = twin(model)
-    backend = autoscale.backend(autoscale.Config(executor="eager"))
-    loss, grads = step(model, torch.compile(model, backend=backend), (x,), y)
-    _, ref_grads = step(reference, None, (x,), y)
-    assert len(backend.records) == 2
-    assert all(r.report.converted >= 1 for r in backend.records)
-    for name, ref in ref_grads.items():
-        assert sqnr(ref, grads[name]) >= SQNR_MIN_DB[(torch.float16, "grad")], name
-    assert math.isfinite(loss.item())
+    c = step_vs_fp32(_Broken(), (torch.randn(8, 16),), torch.randint(0, 5, (8,)))
+    assert len(c.backend.records) == 2
+    assert all(r.report.converted >= 1 for r in c.backend.records)
+    assert_matches_fp32(c)
 
 
 def test_named_backend_is_discoverable() -> None:
@@ -146,14 +121,15 @@ def test_inductor_keeps_fp16_rounding_inside_fused_kernels() -> None:
 @pytest.mark.gpu
 def test_native_fp16_on_cuda() -> None:
     model, inputs, targets = mlp_case()
-    model = model.cuda()
-    inputs = tuple(i.cuda() for i in inputs)
-    reference = twin(model)
-    backend = autoscale.backend()
-    loss, grads = step(model, torch.compile(model, backend=backend), inputs, targets.cuda())
-    ref_loss, ref_grads = step(reference, None, inputs, targets.cuda())
-    assert backend.records[0].config.compute == "native"
-    assert sqnr(ref_loss, loss) >= SQNR_MIN_DB[(torch.float16, "output")]
-    for name, ref in ref_grads.items():
-        assert grads[name].dtype == torch.float32
-        assert sqnr(ref, grads[name]) >= SQNR_MIN_DB[(torch.float16, "grad")], name
+    c = step_vs_fp32(model.cuda(), tuple(i.cuda() for i in inputs), targets.cuda(), autoscale.Config())
+    assert c.backend.records[0].config.compute == "native"
+    assert_matches_fp32(c)
+
+
+def test_report_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    model, inputs, _ = mlp_case()
+    with caplog.at_level(logging.INFO, logger="autoscale"):
+        torch.compile(model, backend=autoscale.backend(autoscale.Config(executor="eager")))(*inputs)
+    (record,) = [r for r in caplog.records if r.name == "autoscale"]
+    assert record.levelno == logging.INFO
+    assert "converted 5 of 5 nodes to float16 using 8 casts" in record.getMessage()

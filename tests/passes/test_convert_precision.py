@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, is_inplace, op_name
 
 import autoscale
 from autoscale.inspect import format_graph, precision_report
-from tests.helpers import rewrite, step, twin
+from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, is_inplace, op_name
+from tests.helpers import assert_matches_fp32, rewrite, step_vs_fp32
 from tests.models import MLP, mlp_case
 from tests.tolerances import SQNR_MIN_DB, sqnr
 
@@ -131,13 +131,9 @@ def test_unknown_custom_op_stays_fp32_is_reported_and_trains() -> None:
     assert "unknown ops (kept in float32): mystery" in str(report)
     assert any(i.op == "mystery" and i.reason.startswith("unknown op") for i in report.islands)
 
-    reference = twin(model)
-    backend = autoscale.backend(autoscale.Config(executor="eager"))
-    _, grads = step(model, torch.compile(model, backend=backend), (x,), y)
-    _, ref_grads = step(reference, None, (x,), y)
-    assert backend.reports[0].unknown_ops == ("mystery",)
-    for name, ref in ref_grads.items():
-        assert sqnr(ref, grads[name]) >= SQNR_MIN_DB[(torch.float16, "grad")], name
+    c = step_vs_fp32(model, (x,), y)
+    assert c.backend.reports[0].unknown_ops == ("mystery",)
+    assert_matches_fp32(c)
 
 
 def test_user_override_classifies_unknown_op() -> None:
@@ -174,15 +170,9 @@ class _InPlace(nn.Module):
 
 def test_inplace_ops_numerics_match_fp32() -> None:
     torch.manual_seed(0)
-    model, x, y = _InPlace(), torch.randn(4, 8), torch.randint(0, 4, (4,))
-    reference = twin(model)
-    backend = autoscale.backend(autoscale.Config(executor="eager"))
-    loss, grads = step(model, torch.compile(model, backend=backend), (x,), y)
-    ref_loss, ref_grads = step(reference, None, (x,), y)
-    assert sqnr(ref_loss, loss) >= SQNR_MIN_DB[(torch.float16, "output")]
-    for name, ref in ref_grads.items():
-        assert sqnr(ref, grads[name]) >= SQNR_MIN_DB[(torch.float16, "grad")], name
-    counts = {r.name: r.counts for r in backend.records[0].passes}
+    c = step_vs_fp32(_InPlace(), (torch.randn(4, 8),), torch.randint(0, 4, (4,)))
+    assert_matches_fp32(c)
+    counts = {r.name: r.counts for r in c.backend.records[0].passes}
     assert counts["remove_inplace"]["rewritten"] == 2  # relu_ and h += skip, on fresh GEMM outputs
 
 
@@ -221,6 +211,35 @@ def test_inplace_on_graph_input_is_left_alone_and_correct() -> None:
     got = torch.compile(f, backend=autoscale.backend(autoscale.Config(executor="eager")))(b)
     assert torch.equal(a, b)  # the caller's tensor was mutated exactly as in eager
     assert sqnr(expected, got) >= SQNR_MIN_DB[(torch.float16, "output")]
+
+
+def test_chained_inplace_on_graph_input_keeps_every_mutation() -> None:
+    """x.add_(1).relu_(): the relu_ acts on the caller's tensor too, so it must stay in place."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return lin(x.add_(-0.5).relu_())
+
+    x = torch.randn(2, 4)
+    a, b = x.clone(), x.clone()
+    expected = f(a)
+    got = torch.compile(f, backend=autoscale.backend(autoscale.Config(executor="eager")))(b)
+    assert torch.equal(a, b) and torch.equal(a, (x - 0.5).relu())
+    assert sqnr(expected, got) >= SQNR_MIN_DB[(torch.float16, "output")]
+
+
+def test_to_device_is_data_movement_but_to_dtype_is_kept() -> None:
+    """``.to(device)`` between GEMMs is data movement; an explicit ``.float()`` keeps what follows
+    it in float32, as the model asked."""
+    lin1, lin2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return lin2(torch.tanh(lin1(x).to("cpu"))) + lin2(torch.sigmoid(lin1(x).float()))
+
+    gm = rewrite(f, torch.randn(2, 4))
+    assert _precision(gm, "tanh") == "float16"     # between two GEMMs, through .to("cpu")
+    assert _precision(gm, "sigmoid") == "float32"  # downstream of the model's own .float()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

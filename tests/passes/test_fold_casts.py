@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from autoscale.passes import PassRecord, PassSpec, fold_casts, run_stage
-from autoscale.passes.graph_utils import cast_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx import Graph, GraphModule
 
 import autoscale
+from autoscale.passes import PassRecord, PassSpec, fold_casts, run_stage
+from autoscale.passes.graph_utils import cast_of
 from tests.passes.test_properties import _check_casts_do_not_cancel
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

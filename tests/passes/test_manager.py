@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from autoscale.passes import InvariantError, PassResult, PassSpec, run_stage
-from autoscale.passes.graph_utils import provenance
 from torch.fx import GraphModule
 
 import autoscale
+from autoscale.passes import InvariantError, PassResult, PassSpec, run_stage
+from autoscale.passes.graph_utils import provenance
 from tests.helpers import capture
 from tests.models import mlp_case
 

@@ -15,15 +15,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from autoscale.passes import PIPELINE, PassResult, PassSpec, fold_casts
-from autoscale.passes.fold_casts import is_lossless
-from autoscale.passes.graph_utils import cast_of, float_dtype, op_name
-from autoscale.passes.op_tables import Category, category_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.fx import GraphModule, Node
 
 import autoscale
+from autoscale.passes import PIPELINE, PassResult, PassSpec, fold_casts
+from autoscale.passes.fold_casts import is_lossless
+from autoscale.passes.graph_utils import cast_of, float_dtype, op_name
+from autoscale.passes.op_tables import Category, category_of
 from tests.helpers import capture, rewrite
 from tests.tolerances import sqnr
 
