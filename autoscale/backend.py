@@ -76,13 +76,13 @@ class Backend:
         report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
         record = CompileRecord(cfg, report, passes)
         self.records.append(record)
-        log.info("autoscale graph %d: %s", len(self.records) - 1, report)
+        log.info("graph %d: %s", len(self.records) - 1, report)
         if cfg.executor == "inductor" and cfg.compute == "emulate" and not inductor_keeps_roundings():
-            log.warning("autoscale: this torch's Inductor folds float32 -> %s -> float32 round trips, so "
+            log.warning("this torch's Inductor folds float32 -> %s -> float32 round trips, so "
                         "emulated GEMMs read unrounded float32 inputs; use torch>=2.13 or "
                         "Config(executor='eager') for exact emulation", dtype_name(cfg.dtype))
         if report.unknown_ops:
-            log.warning("autoscale: ops not in the precision tables were kept in float32: %s "
+            log.warning("ops not in the precision tables were kept in float32: %s "
                         "(classify them with Config.allow/deny/infer/clear)", ", ".join(report.unknown_ops))
 
         def run_joint(joint: GraphModule) -> None:
