@@ -11,11 +11,14 @@ from __future__ import annotations
 from autoscale.backend import Backend, CompileRecord, backend
 from autoscale.config import Config, ScalingConfig, recipe, recipe_names
 from autoscale.inspect import PrecisionReport
+from autoscale.scaler import GradScaler, LayerReport
 
 __all__ = [
     "Backend",
     "CompileRecord",
     "Config",
+    "GradScaler",
+    "LayerReport",
     "PrecisionReport",
     "ScalingConfig",
     "backend",

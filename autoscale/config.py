@@ -36,18 +36,53 @@ def _choice(owner: str, name: str, value: object, allowed: tuple[str, ...]) -> N
 class ScalingConfig:
     """Gradient-scaling settings (DESIGN.md §4).
 
-    ``mode``: "adaptive" (per-layer scales from the underflow analysis, the default),
-    "dynamic" (one global scale with torch.amp.GradScaler semantics), "static" (a fixed scale)
-    or "none". ``gamma`` is the tolerated predicted underflow rate per layer.
+    mode:       "adaptive" (per-layer scales in the backward graph, the default), "dynamic" (one
+                global loss scale with torch.amp.GradScaler semantics, plus ``hysteresis`` and
+                ``min_scale``), "static" (a fixed loss scale ``init_scale``) or "none".
+    rule:       adaptive only. "headroom" (default): each layer's scale is the largest power of two
+                that keeps every float16 gradient it produces ``2**margin`` below 65504. "paper": the
+                IJCAI 2020 rule, from the predicted underflow rate ``gamma`` of the layer's GEMM.
+    placement:  adaptive only. "predicted" (scale points where the analysis predicts underflow
+                above ``gamma``) or "all" (at every backward GEMM and gradient cast into float16).
+    update_every: recompute the adaptive scales every F steps (statistics accumulate in between).
+    scale_upper_bound: optional cap on any one scale.
+    init_scale, growth_factor, backoff_factor, growth_interval: torch.amp.GradScaler's, for
+                "dynamic" (``init_scale`` is also the "static" scale).
     """
 
     mode: ScalingMode = "adaptive"
+    rule: Literal["headroom", "paper"] = "headroom"
+    placement: Literal["predicted", "all"] = "predicted"
     gamma: float = 1e-3
+    margin: int = 6
+    update_every: int = 1
+    scale_upper_bound: float | None = None
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
 
     def __post_init__(self) -> None:
         _choice("ScalingConfig", "mode", self.mode, _SCALING_MODES)
+        _choice("ScalingConfig", "rule", self.rule, ("headroom", "paper"))
+        _choice("ScalingConfig", "placement", self.placement, ("predicted", "all"))
         if not (isinstance(self.gamma, float | int) and 0.0 < float(self.gamma) < 1.0):
             raise ValueError(f"ScalingConfig.gamma={self.gamma!r} is not valid; it must be a number in (0, 1)")
+        for name in ("margin", "update_every", "growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            low = 0 if name == "margin" else 1
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"ScalingConfig.{name}={value!r} is not valid; it must be an int >= {low}")
+        for name in ("init_scale", "growth_factor", "min_scale"):
+            if not float(getattr(self, name)) > 0:
+                raise ValueError(f"ScalingConfig.{name}={getattr(self, name)!r} is not valid; it must be > 0")
+        if not 0.0 < float(self.backoff_factor) < 1.0:
+            raise ValueError(f"ScalingConfig.backoff_factor={self.backoff_factor!r} is not valid; it must be in (0, 1)")
+        if self.scale_upper_bound is not None and not float(self.scale_upper_bound) >= 1:
+            raise ValueError(f"ScalingConfig.scale_upper_bound={self.scale_upper_bound!r} is not valid; "
+                             "it must be None or >= 1")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .convert_precision import convert_precision
 from .emulate_compute import emulate_compute
 from .fold_casts import fold_casts
+from .insert_grad_scaling import insert_grad_scaling
 from .manager import InvariantError, PassRecord, PassResult, PassSpec, Stage, run_stage
 from .remove_inplace import remove_inplace
 
@@ -23,6 +24,7 @@ __all__ = [
     "convert_precision",
     "emulate_compute",
     "fold_casts",
+    "insert_grad_scaling",
     "remove_inplace",
     "run_stage",
 ]
@@ -32,9 +34,9 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec(remove_inplace, "dynamo"),
     PassSpec(convert_precision, "dynamo"),
     PassSpec(emulate_compute, "dynamo"),
+    PassSpec(insert_grad_scaling, "dynamo"),
     PassSpec(fold_casts, "dynamo"),
     # AOTAutograd's joint forward+backward ATen graph, before partitioning.
     PassSpec(fold_casts, "joint"),
 )
-"""The pipeline, in order. Later issues add the underflow analysis and gradient scaling to the
-joint stage."""
+"""The pipeline, in order."""

@@ -118,7 +118,7 @@ def float_dtype(node: Any) -> torch.dtype | None:
     return None
 
 
-_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+_ROOT = re.compile(r"^[LG]\['[^']*'\]\.?")
 _INDEX = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
 
 

@@ -110,13 +110,26 @@ def _ensure_vals(gm: GraphModule) -> None:
         refresh_vals(gm)
 
 
+class _Propagate(FakeTensorProp):
+    """FakeTensorProp that also records ``meta["requires_grad"]`` (its stored values are detached)."""
+
+    def run_node(self, n: Node) -> Any:
+        result = super().run_node(n)
+        n.meta["requires_grad"] = isinstance(result, torch.Tensor) and result.requires_grad
+        return result
+
+
 def refresh_vals(gm: GraphModule) -> None:
-    """Re-propagate fake values through ``gm`` after a rewrite, in the fake mode of its inputs."""
-    inputs = [tensor_val(p) for p in gm.graph.find_nodes(op="placeholder")]
+    """Re-propagate fake values through ``gm`` after a rewrite, in the fake mode of its inputs.
+
+    Placeholders start from Dynamo's ``example_value`` where there is one: it keeps whether the
+    input requires grad, which the scaling pass needs.
+    """
+    inputs = [p.meta.get("example_value", tensor_val(p)) for p in gm.graph.find_nodes(op="placeholder")]
     modes = {v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)}
     if len(modes) != 1:  # no fake inputs (or several modes): nothing to propagate in
         return
-    FakeTensorProp(gm, modes.pop()).propagate_dont_convert_inputs(*inputs)
+    _Propagate(gm, modes.pop()).propagate_dont_convert_inputs(*inputs)
 
 
 def _output_signature(gm: GraphModule) -> list[Any]:

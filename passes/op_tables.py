@@ -121,7 +121,7 @@ VIEWS: Final = frozenset({
     "view", "reshape", "_reshape_alias", "flatten", "unflatten", "permute", "transpose", "t",
     "contiguous", "expand", "expand_as", "squeeze", "unsqueeze", "narrow", "select", "slice",
     "getitem", "unbind", "split", "split_with_sizes", "chunk", "tensor_split", "detach", "alias",
-    "as_strided", "view_as", "movedim", "swapaxes", "diagonal",
+    "as_strided", "view_as", "movedim", "swapaxes", "diagonal", "rescale",
 })
 
 FIXED: Final = frozenset({

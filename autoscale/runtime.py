@@ -1,0 +1,78 @@
+"""Runtime state the compiled graphs read and write: per-layer scales and statistics.
+
+The state lives on the user's model as non-persistent buffers (they stay out of the model's
+``state_dict``; the scaler saves them). Dynamo lifts buffers into graph inputs, so updating a
+scale in place never recompiles, and the compiled backward writes its statistics straight into
+``stats`` with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoscale.ops import NUM_STATS
+
+__all__ = ["LOSS_ROW", "LAYOUT_SEP", "ScaleState", "install_state", "unwrap"]
+
+LOSS_ROW = 0
+LAYOUT_SEP = "\x1f"
+_LOSS_NAME = "<loss>"
+_STATE_ATTR = "_autoscale_state"
+_SCALES, _STATS = "_autoscale_scales", "_autoscale_stats"
+
+
+class ScaleState:
+    """Row 0 is the loss scale; row ``i`` > 0 belongs to the module named ``layers[i]``.
+
+    The tensors are non-persistent buffers of the model's root module (not a submodule: a
+    container such as ``nn.Sequential`` calls every child), looked up by name on each access so
+    that ``model.to(device)`` carries them along.
+    """
+
+    def __init__(self, root: nn.Module, layer_names: Sequence[str], *, init: float = 1.0) -> None:
+        self.root = root
+        self.layers: tuple[str, ...] = (_LOSS_NAME, *layer_names)
+        self.layout = LAYOUT_SEP.join(self.layers)
+        device = next((p.device for p in root.parameters()), torch.device("cpu"))
+        scales = torch.full((len(self.layers),), float(init), device=device)
+        scales[LOSS_ROW] = 1.0
+        root.register_buffer(_SCALES, scales, persistent=False)
+        root.register_buffer(_STATS, torch.zeros(len(self.layers), NUM_STATS, device=device), persistent=False)
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return getattr(self.root, _SCALES)  # type: ignore[no-any-return]
+
+    @property
+    def stats(self) -> torch.Tensor:
+        return getattr(self.root, _STATS)  # type: ignore[no-any-return]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module behind ``torch.compile``'s wrapper."""
+    return getattr(model, "_orig_mod", model)
+
+
+def install_state(model: nn.Module, **kwargs: Any) -> ScaleState:
+    """Give ``model`` a ScaleState (a row per named module) and make its forward announce the
+    state to the backend. Idempotent: a second call returns the installed state."""
+    root = unwrap(model)
+    existing = getattr(root, _STATE_ATTR, None)
+    if isinstance(existing, ScaleState):
+        return existing
+    state = ScaleState(root, [name for name, _ in root.named_modules()], **kwargs)
+    object.__setattr__(root, _STATE_ATTR, state)  # a plain attribute, not a submodule
+    inner = root.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kw: Any) -> Any:
+        torch.ops.autoscale.attach(getattr(root, _SCALES), getattr(root, _STATS), state.layout)
+        return inner(*args, **kw)
+
+    root.forward = forward  # type: ignore[method-assign]
+    return state

@@ -1,0 +1,299 @@
+"""``autoscale.GradScaler``: torch.amp.GradScaler's interface over per-layer scales.
+
+Modes (``ScalingConfig.mode``):
+
+* ``adaptive`` — each layer's scale lives in the model's ``ScaleState``; the compiled backward
+  multiplies gradients by them, records statistics, and hands back parameter gradients carrying
+  only the loss scale (1 here). ``update()`` recomputes every layer's scale from the statistics
+  (on the device, no host sync), and on overflow backs off only the layers that overflowed.
+* ``dynamic`` — one loss scale with torch.amp.GradScaler's update, plus DeepSpeed's
+  ``hysteresis`` (overflows tolerated before backing off) and a ``min_scale`` floor.
+* ``static`` — a fixed loss scale; overflowing steps are skipped.
+* ``none`` — no scaling and no skipping (like ``torch.amp.GradScaler(enabled=False)``).
+
+A step is skipped — the optimizer is not called, so weights and optimizer state stay bit-identical
+— when any gradient is inf/nan or the compiled backward flagged an overflow. ``step`` costs one
+host sync (as torch.amp's does) unless the optimizer supports torch.amp's fused protocol
+(``_step_supports_amp_scaling``): then ``grad_scale`` and ``found_inf`` are handed to it as tensors
+and nothing syncs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoscale.config import Config, ScalingConfig
+from autoscale.ops import STAT
+from autoscale.runtime import LOSS_ROW, ScaleState, install_state, unwrap
+
+__all__ = ["GradScaler", "LayerReport"]
+
+log = logging.getLogger("autoscale")
+
+FP16_MAX = 65504.0
+FP16_MIN_SUBNORMAL = 2.0**-24
+_SCALE_RANGE = (2.0**-24, 2.0**40)
+
+
+class _Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One layer as ``GradScaler.layers()`` reports it.
+
+    ``scale`` is the absolute scale its gradients carry after its scale point; ``zero_rate`` is the
+    fraction of its weight-gradient entries that were exactly zero at the last update (underflows,
+    plus any structural zeros); ``overflows`` counts the updates at which it overflowed.
+    """
+
+    name: str
+    scale: float
+    zero_rate: float
+    overflows: int
+
+
+class GradScaler:
+    """Drop-in for ``torch.amp.GradScaler`` (see the module docstring). Create it before the
+    model's first forward: in adaptive mode it registers its state on the model."""
+
+    def __init__(self, model: nn.Module, config: Config | ScalingConfig | None = None, *,
+                 telemetry: str | Path | None = None) -> None:
+        cfg = config.scaling if isinstance(config, Config) else (config or ScalingConfig())
+        if not isinstance(cfg, ScalingConfig):
+            raise ValueError(f"GradScaler config must be an autoscale.Config or ScalingConfig, got {type(config)}")
+        self.config = cfg
+        self._model = unwrap(model)
+        device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
+        self._state: ScaleState | None = install_state(self._model) if cfg.mode == "adaptive" else None
+        init = 1.0 if cfg.mode in ("none", "adaptive") else cfg.init_scale  # adaptive: layers scale themselves
+        self._loss_scale = torch.full((1,), float(init), device=device)
+        self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
+        self._hysteresis = torch.full((1,), cfg.hysteresis, dtype=torch.int32, device=device)
+        self._overflows = torch.zeros(len(self._state.layers) if self._state else 1, device=device)
+        self._last_stats = torch.zeros_like(self._state.stats) if self._state else None
+        self._found_inf = torch.zeros(1, device=device)
+        self._stages: dict[int, _Stage] = {}
+        self._steps = 0
+        self._telemetry = Path(telemetry) if telemetry is not None else None
+
+    # ------------------------------------------------------------------ torch.amp interface
+
+    def is_enabled(self) -> bool:
+        return self.config.mode != "none"
+
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``outputs`` times the loss scale (1 in adaptive mode: the layers scale themselves)."""
+        if not self.is_enabled():
+            return outputs
+        return outputs * self._loss_scale.to(outputs.dtype)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the loss scale and look for inf/nan (once per step)."""
+        if not self.is_enabled():
+            return
+        stage = self._stages.get(id(optimizer), _Stage.READY)
+        if stage is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if stage is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        inv = self._loss_scale.double().reciprocal().float()
+        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), group in by_device.items():
+            found = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv.to(device))
+            self._found_inf += found.to(self._found_inf.device)
+        self._stages[id(optimizer)] = _Stage.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()`` unless this step overflowed; returns its result, or None if skipped."""
+        if not self.is_enabled():
+            return optimizer.step(*args, **kwargs)
+        stage = self._stages.get(id(optimizer), _Stage.READY)
+        if stage is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # torch.amp's fused protocol: the optimizer unscales and skips on device, no sync.
+            opt: Any = optimizer
+            opt.grad_scale = None if stage is _Stage.UNSCALED else self._loss_scale
+            opt.found_inf = self._overflowed()
+            try:
+                result = optimizer.step(*args, **kwargs)
+            finally:
+                del opt.grad_scale, opt.found_inf
+            self._stages[id(optimizer)] = _Stage.STEPPED
+            return result
+        if stage is _Stage.READY:
+            self.unscale_(optimizer)
+        self._stages[id(optimizer)] = _Stage.STEPPED
+        if self._overflowed().item():  # the one host sync, as in torch.amp
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the scale(s) for the next step and reset the per-step state."""
+        if not self.is_enabled():
+            return
+        overflow = self._overflowed()
+        if new_scale is not None:
+            self._loss_scale.fill_(float(new_scale))
+        elif self.config.mode == "dynamic":
+            self._update_dynamic(overflow)
+        elif self.config.mode == "adaptive":
+            self._update_adaptive(overflow)
+        self._steps += 1
+        if self._telemetry is not None:
+            self._write_telemetry(overflow)
+        self._found_inf.zero_()
+        self._stages.clear()
+
+    def get_scale(self) -> float:
+        """The loss scale (a host sync); per-layer scales are in ``layers()``."""
+        return float(self._loss_scale.item()) if self.is_enabled() else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "mode": self.config.mode, "scale": self._loss_scale.clone(), "growth_tracker": self._growth_tracker.clone(),
+            "hysteresis": self._hysteresis.clone(), "overflows": self._overflows.clone(), "steps": self._steps,
+        }
+        if self._state is not None:
+            state.update(layers=list(self._state.layers), scales=self._state.scales.clone(),
+                         stats=self._state.stats.clone(), last_stats=self._last_stats.clone())  # type: ignore[union-attr]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("mode") != self.config.mode:
+            raise ValueError(f"state_dict is for mode {state.get('mode')!r}, this GradScaler is {self.config.mode!r}")
+        if self._state is not None:
+            if list(state["layers"]) != list(self._state.layers):
+                raise ValueError("state_dict's layers do not match this model's; load it into the same model")
+            self._state.scales.copy_(state["scales"])
+            self._state.stats.copy_(state["stats"])
+            self._last_stats.copy_(state["last_stats"])  # type: ignore[union-attr]
+        else:
+            self._loss_scale.copy_(state["scale"])
+        self._growth_tracker.copy_(state["growth_tracker"])
+        self._hysteresis.copy_(state["hysteresis"])
+        self._overflows.copy_(state["overflows"])
+        self._steps = int(state["steps"])
+
+    # -------------------------------------------------------------------------- reporting
+
+    def layers(self) -> list[LayerReport]:
+        """Per layer that has gradient statistics: name, scale, weight-gradient zero rate, overflows."""
+        if self._state is None:
+            return []
+        stats, scales, overflows = self._last_stats.cpu(), self._state.scales.cpu(), self._overflows.cpu()  # type: ignore[union-attr]
+        reports = []
+        for row, name in enumerate(self._state.layers):
+            if row == LOSS_ROW or (stats[row, STAT["count"]] == 0 and stats[row, STAT["numel"]] == 0):
+                continue
+            numel = float(stats[row, STAT["numel"]])
+            zero_rate = float(stats[row, STAT["zeros"]]) / numel if numel else 0.0
+            reports.append(LayerReport(name or "(root)", float(scales[row]), zero_rate, int(overflows[row])))
+        return reports
+
+    # --------------------------------------------------------------------------- internals
+
+    def _overflowed(self) -> torch.Tensor:
+        """A one-element tensor, nonzero when this step saw inf/nan anywhere."""
+        flagged = self._found_inf
+        if self._state is not None:
+            flagged = flagged + self._state.stats[:, STAT["nonfinite"]].sum().reshape(1)
+        return (flagged > 0).float()
+
+    def _update_dynamic(self, overflow: torch.Tensor) -> None:
+        """torch.amp's rule (``_amp_update_scale_``) with hysteresis and a floor, on the device."""
+        cfg = self.config
+        inf = overflow > 0
+        hysteresis_left = self._hysteresis > 1
+        back_off = inf & ~hysteresis_left
+        self._hysteresis.copy_(torch.where(inf & hysteresis_left, self._hysteresis - 1, self._hysteresis))
+        grown = self._growth_tracker + 1
+        grow = ~inf & (grown >= cfg.growth_interval)
+        scale = self._loss_scale
+        new = torch.where(back_off, torch.clamp(scale * cfg.backoff_factor, min=cfg.min_scale),
+                          torch.where(grow, scale * cfg.growth_factor, scale))
+        self._loss_scale.copy_(torch.where(torch.isfinite(new), new, scale))
+        self._growth_tracker.copy_(torch.where(inf | grow, torch.zeros_like(grown), grown))
+        self._hysteresis.copy_(torch.where(grow, torch.full_like(self._hysteresis, cfg.hysteresis), self._hysteresis))
+
+    def _update_adaptive(self, overflow: torch.Tensor) -> None:
+        """Every ``update_every`` steps: each layer's scale from its statistics; on overflow, only
+        the layers that overflowed halve, and their statistics are discarded."""
+        assert self._state is not None and self._last_stats is not None
+        state, cfg = self._state, self.config
+        stats = state.stats
+        flagged = stats[:, STAT["nonfinite"]] > 0
+        self._overflows += flagged.float()
+        backed_off = torch.where(flagged, state.scales * cfg.backoff_factor, state.scales)
+        due = (self._steps + 1) % cfg.update_every == 0
+        if due:
+            target = self._rule(stats)
+            measured = (stats[:, STAT["amax"]] > 0) & ~flagged & (overflow == 0)
+            backed_off = torch.where(measured, target, backed_off)
+            self._last_stats.copy_(stats)
+        backed_off[LOSS_ROW] = state.scales[LOSS_ROW]  # the loss scale stays 1
+        low, high = _SCALE_RANGE
+        if cfg.scale_upper_bound is not None:
+            high = min(high, cfg.scale_upper_bound)
+        state.scales.copy_(backed_off.clamp(low, high))
+        stats.copy_(torch.where(flagged[:, None] | due, torch.zeros_like(stats), stats))
+
+    def _rule(self, stats: torch.Tensor) -> torch.Tensor:
+        """The power-of-two scale each row's statistics call for."""
+        headroom = FP16_MAX / 2.0**self.config.margin
+        amax = stats[:, STAT["amax"]].clamp_min(torch.finfo(torch.float32).tiny)
+        target = headroom / amax
+        if self.config.rule == "paper":
+            target = torch.minimum(target, self._paper_scales(stats)).clamp_min(1.0)
+        return torch.exp2(torch.floor(torch.log2(target)))
+
+    def _paper_scales(self, stats: torch.Tensor) -> torch.Tensor:
+        """The IJCAI 2020 rule per row: s_uf from the predicted spread of the layer's GEMM output,
+        bounded by s_of; rows without a weight fall back to the headroom rule (inf here)."""
+        assert self._state is not None
+        modules = dict(self._model.named_modules())
+        gamma_factor = math.sqrt(2) * _erfinv(self.config.gamma)  # 1.2533e-3 for γ = 1e-3
+        out = torch.full_like(stats[:, 0], math.inf)
+        count = stats[:, STAT["count"]].clamp_min(1)
+        mean_g = stats[:, STAT["sum"]] / count
+        var_g = (stats[:, STAT["sumsq"]] / count - mean_g**2).clamp_min(0)
+        for row, name in enumerate(self._state.layers):
+            weight = getattr(modules.get(name), "weight", None)
+            if row == LOSS_ROW or not isinstance(weight, torch.Tensor) or weight.dim() < 2:
+                continue
+            w = weight.detach().float()
+            k = w.numel() / w.shape[1]
+            sigma_o = torch.sqrt((var_g[row] + mean_g[row] ** 2) * (w.var() + w.mean() ** 2)) * math.sqrt(k / 2)
+            s_uf = FP16_MIN_SUBNORMAL / (gamma_factor * sigma_o.clamp_min(1e-30))
+            s_of = (FP16_MAX / k) / (stats[row, STAT["amax"]] * w.abs().amax()).clamp_min(1e-30)
+            out[row] = torch.minimum(s_uf, s_of)
+        return out
+
+    def _write_telemetry(self, overflow: torch.Tensor) -> None:
+        record = {"step": self._steps, "skipped": bool(overflow.item()), "loss_scale": self.get_scale(),
+                  "layers": {r.name: {"scale": r.scale, "zero_rate": r.zero_rate, "overflows": r.overflows}
+                             for r in self.layers()}}
+        assert self._telemetry is not None
+        with self._telemetry.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _erfinv(x: float) -> float:
+    return float(torch.special.erfinv(torch.tensor(x, dtype=torch.float64)))

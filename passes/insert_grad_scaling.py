@@ -1,0 +1,184 @@
+"""Per-layer gradient scaling, inserted as autograd-aware rescale points in the forward graph.
+
+The backward of the graph is linear in the incoming gradient, so every gradient carries a scale:
+the loss scale where it enters, then whatever the rescale points on its way multiplied in.
+This pass
+
+1. finds the scaler's state (``autoscale::attach``; without a ``GradScaler`` nothing is done);
+2. places a *scale point* on the low-precision output of every backward GEMM's layer (an
+   allow-list op: its gradient is the GEMM's incoming gradient G_y, so both G_x = G_y·W and
+   dW = G_yᵀ·X come out scaled) and on the float32 side of every cast out of low precision (its
+   backward is a gradient cast *into* float16, which must be scaled before it rounds);
+3. walks the graph from the outputs back to the inputs computing the scale each gradient
+   carries; where gradients with different scales meet (a residual merge, a tied weight) it
+   aligns them to the largest (``rescale`` with ``out_rows`` = the union);
+4. puts an *unscale point* on every parameter, so its gradient leaves the graph carrying exactly
+   the loss scale (the scaler divides that out, as torch.amp's does).
+
+Scales are absolute (see ``autoscale.ops``): a scale point makes the gradient carry its layer's
+scale, whatever it arrived with. Layers are module paths; each maps to a row of the state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from autoscale.ops import rescale
+from autoscale.runtime import LAYOUT_SEP, LOSS_ROW
+
+from .graph_utils import PROVENANCE_KEY, cast_of, float_dtype, layer_of, op_name, provenance, tensor_val
+from .manager import PassResult
+from .op_tables import Category, category_of
+
+if TYPE_CHECKING:
+    from autoscale.config import Config
+
+__all__ = ["insert_grad_scaling", "scale_points"]
+
+PASS = "insert_grad_scaling"
+Rows = frozenset[int]
+
+
+def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
+    """Insert scale, alignment and unscale points (see the module docstring)."""
+    if cfg.scaling.mode != "adaptive":
+        return PassResult(gm, modified=False)
+    graph = gm.graph
+    attach = next((n for n in graph.nodes if _is_attach(n)), None)
+    if attach is None:  # no GradScaler state in this graph: nothing to scale with
+        return PassResult(gm, modified=False, counts={"scale_points": 0})
+    scales, stats, layout = attach.args
+    layers = str(layout).split(LAYOUT_SEP)
+    state = _State(graph, scales, stats, layers, prefix=layer_of(attach))  # type: ignore[arg-type]
+
+    points = scale_points(graph, cfg)
+    if cfg.scaling.placement == "predicted":
+        points = [(n, why) for n, why in points if n.meta.get("autoscale_underflow", 1.0) > cfg.scaling.gamma]
+    graph.erase_node(attach)
+    for target, why in points:
+        state.scale_point(target, why)
+    aligned = state.carry()
+    unscaled = state.unscale_parameters()
+    return PassResult(gm, modified=True, counts={
+        "scale_points": len(points), "aligned": aligned, "unscaled": unscaled})
+
+
+def scale_points(graph: Graph, cfg: Config) -> list[tuple[Node, str]]:
+    """The nodes whose gradient gets a scale point, with the reason.
+
+    The low-precision output of an allow-list op (after ``emulate_compute``, the cast that rounds
+    it), and a cast out of low precision inserted by the precision pass.
+    """
+    low = cfg.dtype
+    points = []
+    for n in graph.nodes:
+        if not _requires_grad(n) or n.op not in ("call_function", "call_method"):
+            continue
+        if category_of(op_name(n) or "", cfg.op_overrides) is Category.ALLOW:
+            users = list(n.users)
+            if float_dtype(n) == low:
+                points.append((n, f"gradient into the backward GEMMs of {n.name}"))
+            elif len(users) == 1 and cast_of(users[0]) == (n, low):  # emulated: its rounding cast
+                points.append((users[0], f"gradient into the backward GEMMs of {n.name}"))
+        elif n.meta.get(PROVENANCE_KEY, {}).get("pass") == "convert_precision":
+            cast = cast_of(n)
+            if cast is not None and float_dtype(cast[0]) == low and cast[1] == torch.float32:
+                points.append((n, f"gradient cast into {str(low)[6:]} for {n.name}"))
+    return points
+
+
+class _State:
+    """The scaler's state nodes in this graph, and the rescale nodes placed so far."""
+
+    def __init__(self, graph: Graph, scales: Node, stats: Node, layers: list[str], prefix: str) -> None:
+        self.graph, self.scales, self.stats, self.layers = graph, scales, stats, layers
+        self.prefix = prefix  # the path of the scaler's model in this graph ("" when compiled directly)
+        self.sends: dict[Node, Rows] = {}  # rescale node -> the scale it sends to its input
+
+    def row(self, node: Node) -> int:
+        """The row of the innermost registered module containing ``node`` (the root's, at worst)."""
+        path = layer_of(node)
+        if self.prefix:
+            path = "" if path == self.prefix else path.removeprefix(self.prefix + ".")
+        while path not in self.layers and path:
+            path = path.rpartition(".")[0]
+        return self.layers.index(path) if path in self.layers else LOSS_ROW
+
+    def _rescale(self, x: Node, out_rows: Rows, in_rows: Rows, record: Rows, *, after: Node, like: Node,
+                 reason: str, weight_grad: bool = False) -> Node:
+        with self.graph.inserting_after(after):
+            node = self.graph.call_function(rescale, (x, self.scales, self.stats, tuple(sorted(out_rows)),
+                                                      tuple(sorted(in_rows)), tuple(sorted(record)), weight_grad))
+        for key in ("nn_module_stack", "stack_trace"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+        node.meta["val"] = tensor_val(x)
+        node.meta["requires_grad"] = _requires_grad(x)  # read by carry() before values are refreshed
+        provenance(node, PASS, reason, created=True)
+        self.sends[node] = out_rows
+        return node
+
+    def scale_point(self, target: Node, reason: str) -> None:
+        row = frozenset({self.row(target)})
+        point = self._rescale(target, row, frozenset(), row, after=target, like=target, reason=reason)
+        target.replace_all_uses_with(point, delete_user_cb=lambda user: user is not point)
+
+    def carry(self) -> int:
+        """Compute the scale each gradient carries, outputs to inputs; align at merges. Fills in
+        the scale every scale point receives."""
+        self.carried: dict[Node, Rows] = {}
+        aligned = 0
+        for n in reversed(list(self.graph.nodes)):
+            if n.op == "output" or not _requires_grad(n):
+                continue
+            arriving = {u: s for u in n.users if (s := self._sent_by(u)) is not None}
+            if not arriving:
+                continue
+            target = frozenset().union(*arriving.values())
+            for user, rows in arriving.items():
+                if rows != target:
+                    align = self._rescale(n, target, rows, target | rows, after=n, like=user,
+                                          reason=f"align the gradient from {user.name} at a merge")
+                    user.replace_input_with(n, align)
+                    aligned += 1
+            self.carried[n] = target
+            if n in self.sends and n.args[4] == ():  # a scale point: it receives `target`
+                out_rows = frozenset(n.args[3])  # type: ignore[arg-type]
+                n.update_arg(4, tuple(sorted(target)))
+                n.update_arg(5, tuple(sorted(target | out_rows)))
+        return aligned
+
+    def _sent_by(self, user: Node) -> Rows | None:
+        if user.op == "output":
+            return frozenset({LOSS_ROW})
+        if user in self.sends:
+            return self.sends[user]
+        return self.carried.get(user)
+
+    def unscale_parameters(self) -> int:
+        """Each gradient-requiring input leaves carrying exactly the loss scale."""
+        placeholders = list(self.graph.find_nodes(op="placeholder"))
+        count = 0
+        for p in placeholders:
+            if p not in self.carried:
+                continue
+            rows = self.carried[p]
+            point = self._rescale(p, frozenset({LOSS_ROW}), rows, rows | {self.row(p)}, after=placeholders[-1],
+                                  like=p, reason=f"unscale the gradient of {p.name}", weight_grad=True)
+            p.replace_all_uses_with(point, delete_user_cb=lambda user: user is not point)
+            count += 1
+        return count
+
+
+def _requires_grad(n: Node) -> bool:
+    val = tensor_val(n)
+    if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
+        return False
+    return bool(n.meta.get("requires_grad", val.requires_grad))
+
+
+def _is_attach(n: Node) -> bool:
+    return n.op == "call_function" and n.target in (torch.ops.autoscale.attach, torch.ops.autoscale.attach.default)
