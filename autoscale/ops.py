@@ -59,7 +59,7 @@ def _(stats: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
 
 
 def gradient_stats(grad: torch.Tensor, carried: torch.Tensor, *, weight_grad: bool) -> torch.Tensor:
-    """The statistics of one gradient, as a float32 vector laid out by ``STAT``.
+    """The statistics of one gradient's finite values, as a float32 vector laid out by ``STAT``.
 
     ``carried`` is the scale the gradient carries; magnitudes are divided by it. ``zeros`` and
     ``numel`` are counted for weight gradients only (the layer's underflow measure).
@@ -70,7 +70,7 @@ def gradient_stats(grad: torch.Tensor, carried: torch.Tensor, *, weight_grad: bo
     n = torch.tensor(float(g.numel()), device=g.device)
     zero = torch.zeros((), device=g.device)
     return torch.stack([
-        (~finite).sum().float(),
+        zero,  # non-finite values are counted where they are blamed (see _Rescale.backward)
         safe.abs().amax() if g.numel() else zero,
         safe.sum(),
         (safe * safe).sum(),
@@ -104,10 +104,24 @@ class _Rescale(torch.autograd.Function):
         factor = _max_of(scales, out_rows) / carried
         out = (grad.float() * factor).to(grad.dtype)
         if record_rows:
-            values = gradient_stats(grad, carried, weight_grad=weight_grad)
-            values[STAT["nonfinite"]] = (~torch.isfinite(out)).sum().float()
-            torch.ops.autoscale.accumulate_stats_(ctx.stats, list(record_rows), values)
+            torch.ops.autoscale.accumulate_stats_(ctx.stats, list(record_rows),
+                                                  gradient_stats(grad, carried, weight_grad=weight_grad))
+        # Blame the scale that produced a non-finite value: one that arrived non-finite was made
+        # under ``in_rows``; one this point made non-finite, by ``out_rows``. Then zero it, so that
+        # the rest of the backward does not blame every layer below (the step is skipped anyway).
+        arrived = torch.isfinite(grad)
+        made = torch.isfinite(out)
+        _blame(ctx.stats, in_rows, (~arrived).sum())
+        _blame(ctx.stats, out_rows, (arrived & ~made).sum())
+        out = torch.where(made, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out, None, None, None, None, None, None
+
+
+def _blame(stats: torch.Tensor, rows: tuple[int, ...], count: torch.Tensor) -> None:
+    if rows:
+        values = torch.zeros(NUM_STATS, device=stats.device)
+        values[STAT["nonfinite"]] = count.float()
+        torch.ops.autoscale.accumulate_stats_(stats, list(rows), values)
 
 
 def rescale(x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],

@@ -46,11 +46,11 @@ class ScaleState:
 
     @property
     def scales(self) -> torch.Tensor:
-        return getattr(self.root, _SCALES)  # type: ignore[no-any-return]
+        return getattr(self.root, _SCALES)
 
     @property
     def stats(self) -> torch.Tensor:
-        return getattr(self.root, _STATS)  # type: ignore[no-any-return]
+        return getattr(self.root, _STATS)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -74,5 +74,5 @@ def install_state(model: nn.Module, **kwargs: Any) -> ScaleState:
         torch.ops.autoscale.attach(getattr(root, _SCALES), getattr(root, _STATS), state.layout)
         return inner(*args, **kw)
 
-    root.forward = forward  # type: ignore[method-assign]
+    root.forward = forward
     return state

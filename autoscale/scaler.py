@@ -79,12 +79,13 @@ class GradScaler:
         device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
         self._state: ScaleState | None = install_state(self._model) if cfg.mode == "adaptive" else None
         init = 1.0 if cfg.mode in ("none", "adaptive") else cfg.init_scale  # adaptive: layers scale themselves
-        self._loss_scale = torch.full((1,), float(init), device=device)
-        self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
-        self._hysteresis = torch.full((1,), cfg.hysteresis, dtype=torch.int32, device=device)
+        self._loss_scale = torch.full((), float(init), device=device)  # 0-dim, like torch.amp's
+        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self._hysteresis = torch.full((), cfg.hysteresis, dtype=torch.int32, device=device)
         self._overflows = torch.zeros(len(self._state.layers) if self._state else 1, device=device)
         self._last_stats = torch.zeros_like(self._state.stats) if self._state else None
-        self._found_inf = torch.zeros(1, device=device)
+        self._found_inf = torch.zeros((), device=device)  # 0-dim, as fused optimizers expect
+        self._skips = torch.zeros((), device=device)
         self._stages: dict[int, _Stage] = {}
         self._steps = 0
         self._telemetry = Path(telemetry) if telemetry is not None else None
@@ -115,7 +116,7 @@ class GradScaler:
         for g in grads:
             by_device.setdefault((g.device, g.dtype), []).append(g)
         for (device, _), group in by_device.items():
-            found = torch.zeros(1, device=device)
+            found = torch.zeros((), device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv.to(device))
             self._found_inf += found.to(self._found_inf.device)
         self._stages[id(optimizer)] = _Stage.UNSCALED
@@ -150,6 +151,7 @@ class GradScaler:
         if not self.is_enabled():
             return
         overflow = self._overflowed()
+        self._skips += overflow
         if new_scale is not None:
             self._loss_scale.fill_(float(new_scale))
         elif self.config.mode == "dynamic":
@@ -162,6 +164,11 @@ class GradScaler:
         self._found_inf.zero_()
         self._stages.clear()
 
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps were skipped for inf/nan so far (reading it syncs with the device)."""
+        return int(self._skips.item())
+
     def get_scale(self) -> float:
         """The loss scale (a host sync); per-layer scales are in ``layers()``."""
         return float(self._loss_scale.item()) if self.is_enabled() else 1.0
@@ -170,6 +177,7 @@ class GradScaler:
         state: dict[str, Any] = {
             "mode": self.config.mode, "scale": self._loss_scale.clone(), "growth_tracker": self._growth_tracker.clone(),
             "hysteresis": self._hysteresis.clone(), "overflows": self._overflows.clone(), "steps": self._steps,
+            "skips": self._skips.clone(),
         }
         if self._state is not None:
             state.update(layers=list(self._state.layers), scales=self._state.scales.clone(),
@@ -190,6 +198,7 @@ class GradScaler:
         self._growth_tracker.copy_(state["growth_tracker"])
         self._hysteresis.copy_(state["hysteresis"])
         self._overflows.copy_(state["overflows"])
+        self._skips.copy_(state["skips"])
         self._steps = int(state["steps"])
 
     # -------------------------------------------------------------------------- reporting
@@ -211,10 +220,10 @@ class GradScaler:
     # --------------------------------------------------------------------------- internals
 
     def _overflowed(self) -> torch.Tensor:
-        """A one-element tensor, nonzero when this step saw inf/nan anywhere."""
+        """A 0-dim tensor, 1.0 when this step saw inf/nan anywhere."""
         flagged = self._found_inf
         if self._state is not None:
-            flagged = flagged + self._state.stats[:, STAT["nonfinite"]].sum().reshape(1)
+            flagged = flagged + self._state.stats[:, STAT["nonfinite"]].sum()
         return (flagged > 0).float()
 
     def _update_dynamic(self, overflow: torch.Tensor) -> None:

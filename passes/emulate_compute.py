@@ -13,14 +13,12 @@ op is wider. Runs after ``convert_precision``, only when ``Config.compute == "em
 
 from __future__ import annotations
 
-from functools import partial
-from operator import is_not
 from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import dtype_name, float_dtype, insert_cast, op_name, provenance
+from .graph_utils import dtype_name, float_dtype, insert_cast, op_name, provenance, redirect_uses
 from .manager import PassResult
 from .op_tables import Category, category_of
 
@@ -52,7 +50,7 @@ def emulate_compute(gm: GraphModule, cfg: Config) -> PassResult:
                 upcasts[a] = _cast(graph, a, torch.float32, node, f"upcast {a.name} for emulated {node.name}")
             node.replace_input_with(a, upcasts[a])
         rounded = _cast(graph, node, low, node.next, f"round emulated {node.name} to {dtype_name(low)}", like=node)
-        node.replace_all_uses_with(rounded, delete_user_cb=partial(is_not, rounded))
+        redirect_uses(node, rounded)
         emulated += 1
     return PassResult(gm, modified=emulated > 0, counts={"emulated": emulated, "upcasts": len(upcasts)})
 

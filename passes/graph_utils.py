@@ -5,6 +5,8 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable
+from functools import partial
+from operator import is_not
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ __all__ = [
     "mutated_aliases",
     "op_name",
     "provenance",
+    "redirect_uses",
     "target_name",
     "tensor_val",
 ]
@@ -118,7 +121,9 @@ def float_dtype(node: Any) -> torch.dtype | None:
     return None
 
 
-_ROOT = re.compile(r"^[LG]\['[^']*'\]\.?")
+# The root of a module path as Dynamo spells it: a local or global name, possibly reached through
+# a bound method's ``__self__`` (a forward wrapped by ``GradScaler`` closes over one).
+_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\.__self__)?\.?")
 _INDEX = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
 
 
@@ -170,6 +175,11 @@ def cast_of(node: Node) -> tuple[Node, torch.dtype] | None:
     elif node.target is torch.ops.aten._to_copy.default and len(args) == 1 and _same_place(src, kwargs):
         dtype = kwargs.get("dtype")
     return (src, dtype) if isinstance(dtype, torch.dtype) else None
+
+
+def redirect_uses(old: Node, new: Node) -> None:
+    """Make every user of ``old`` except ``new`` itself read ``new`` (``new`` wraps ``old``)."""
+    old.replace_all_uses_with(new, delete_user_cb=partial(is_not, new))
 
 
 def _same_place(src: Node, kwargs: dict[str, Any]) -> bool:

@@ -29,7 +29,16 @@ from torch.fx import Graph, GraphModule, Node
 from autoscale.ops import rescale
 from autoscale.runtime import LAYOUT_SEP, LOSS_ROW
 
-from .graph_utils import PROVENANCE_KEY, cast_of, float_dtype, layer_of, op_name, provenance, tensor_val
+from .graph_utils import (
+    PROVENANCE_KEY,
+    cast_of,
+    float_dtype,
+    layer_of,
+    op_name,
+    provenance,
+    redirect_uses,
+    tensor_val,
+)
 from .manager import PassResult
 from .op_tables import Category, category_of
 
@@ -52,12 +61,13 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
         return PassResult(gm, modified=False, counts={"scale_points": 0})
     scales, stats, layout = attach.args
     layers = str(layout).split(LAYOUT_SEP)
-    state = _State(graph, scales, stats, layers, prefix=layer_of(attach))  # type: ignore[arg-type]
+    state = _State(graph, scales, stats, layers, prefix=layer_of(attach))
 
     points = scale_points(graph, cfg)
     if cfg.scaling.placement == "predicted":
         points = [(n, why) for n, why in points if n.meta.get("autoscale_underflow", 1.0) > cfg.scaling.gamma]
     graph.erase_node(attach)
+    state.requires = _requires_grad_map(graph)
     for target, why in points:
         state.scale_point(target, why)
     aligned = state.carry()
@@ -74,8 +84,9 @@ def scale_points(graph: Graph, cfg: Config) -> list[tuple[Node, str]]:
     """
     low = cfg.dtype
     points = []
+    requires = _requires_grad_map(graph)
     for n in graph.nodes:
-        if not _requires_grad(n) or n.op not in ("call_function", "call_method"):
+        if not requires[n] or n.op not in ("call_function", "call_method"):
             continue
         if category_of(op_name(n) or "", cfg.op_overrides) is Category.ALLOW:
             users = list(n.users)
@@ -97,6 +108,7 @@ class _State:
         self.graph, self.scales, self.stats, self.layers = graph, scales, stats, layers
         self.prefix = prefix  # the path of the scaler's model in this graph ("" when compiled directly)
         self.sends: dict[Node, Rows] = {}  # rescale node -> the scale it sends to its input
+        self.requires: dict[Node, bool] = {}
 
     def row(self, node: Node) -> int:
         """The row of the innermost registered module containing ``node`` (the root's, at worst)."""
@@ -116,7 +128,7 @@ class _State:
             if key in like.meta:
                 node.meta[key] = like.meta[key]
         node.meta["val"] = tensor_val(x)
-        node.meta["requires_grad"] = _requires_grad(x)  # read by carry() before values are refreshed
+        self.requires[node] = self.requires.get(x, False)
         provenance(node, PASS, reason, created=True)
         self.sends[node] = out_rows
         return node
@@ -124,7 +136,7 @@ class _State:
     def scale_point(self, target: Node, reason: str) -> None:
         row = frozenset({self.row(target)})
         point = self._rescale(target, row, frozenset(), row, after=target, like=target, reason=reason)
-        target.replace_all_uses_with(point, delete_user_cb=lambda user: user is not point)
+        redirect_uses(target, point)
 
     def carry(self) -> int:
         """Compute the scale each gradient carries, outputs to inputs; align at merges. Fills in
@@ -132,7 +144,7 @@ class _State:
         self.carried: dict[Node, Rows] = {}
         aligned = 0
         for n in reversed(list(self.graph.nodes)):
-            if n.op == "output" or not _requires_grad(n):
+            if n.op == "output" or not self.requires.get(n, False):
                 continue
             arriving = {u: s for u in n.users if (s := self._sent_by(u)) is not None}
             if not arriving:
@@ -146,7 +158,7 @@ class _State:
                     aligned += 1
             self.carried[n] = target
             if n in self.sends and n.args[4] == ():  # a scale point: it receives `target`
-                out_rows = frozenset(n.args[3])  # type: ignore[arg-type]
+                out_rows = frozenset(n.args[3])
                 n.update_arg(4, tuple(sorted(target)))
                 n.update_arg(5, tuple(sorted(target | out_rows)))
         return aligned
@@ -168,7 +180,7 @@ class _State:
             rows = self.carried[p]
             point = self._rescale(p, frozenset({LOSS_ROW}), rows, rows | {self.row(p)}, after=placeholders[-1],
                                   like=p, reason=f"unscale the gradient of {p.name}", weight_grad=True)
-            p.replace_all_uses_with(point, delete_user_cb=lambda user: user is not point)
+            redirect_uses(p, point)
             count += 1
         return count
 
@@ -178,6 +190,20 @@ def _requires_grad(n: Node) -> bool:
     if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
         return False
     return bool(n.meta.get("requires_grad", val.requires_grad))
+
+
+def _requires_grad_map(graph: Graph) -> dict[Node, bool]:
+    """Which nodes carry a gradient: by their recorded values, or because a floating input does
+    (higher-order ops such as ``autograd_function_apply`` lose the flag in fake propagation)."""
+    requires: dict[Node, bool] = {}
+    for n in graph.nodes:
+        val = tensor_val(n)
+        vals = val if isinstance(val, tuple | list) else (val,)
+        floating = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals)
+        requires[n] = floating and (_requires_grad(n) or (
+            n.op in ("call_function", "call_method") and op_name(n) != "detach"
+            and any(requires.get(a, False) for a in n.all_input_nodes)))
+    return requires
 
 
 def _is_attach(n: Node) -> bool:

@@ -24,7 +24,8 @@ def test_import_is_lean() -> None:
 def test_public_api() -> None:
     import autoscale
 
-    assert set(autoscale.__all__) == {"Backend", "CompileRecord", "Config", "PrecisionReport", "ScalingConfig",
+    assert set(autoscale.__all__) == {"Backend", "CompileRecord", "Config", "GradScaler", "LayerReport",
+                                      "PrecisionReport", "ScalingConfig",
                                       "backend", "recipe", "recipe_names"}
     for name in autoscale.__all__:
         assert getattr(autoscale, name).__doc__

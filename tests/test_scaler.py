@@ -1,0 +1,308 @@
+"""autoscale.GradScaler and per-layer scaling: the results issue 3 asks for."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoscale
+from autoscale import GradScaler, ScalingConfig
+from autoscale.ops import STAT
+from benchmarks.stress_underflow import best_global_scale, run, table
+from tests.helpers import Comparison, assert_matches_fp32, step
+from tests.models import mlp_case
+
+EAGER = autoscale.Config(executor="eager")
+
+
+def _train_steps(model: nn.Module, scaler: GradScaler, opt: torch.optim.Optimizer, compiled: nn.Module,
+                 x: torch.Tensor, y: torch.Tensor, n: int) -> list[bool]:
+    """``n`` steps of the two-line torch.amp loop; returns which steps were skipped."""
+    skipped = []
+    for _ in range(n):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(F.cross_entropy(compiled(x), y)).backward()
+        before = scaler.skipped_steps
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.skipped_steps > before)
+    return skipped
+
+
+def test_stress_mlp_every_layer_below_gamma() -> None:
+    """32 x Linear(64,64)+ReLU at default init: one global scale cannot keep the first layers out
+    of float16's underflow range; per-layer scales keep every layer below 1e-3."""
+    scale, best = best_global_scale()
+    amp = run("torch.amp", steps=24)
+    adaptive = run("adaptive", steps=24)
+    print("\n" + table({f"best global scale {scale:g}": best, "torch.amp.GradScaler": amp["rates"],  # type: ignore[dict-item]
+                        "autoscale adaptive": adaptive["rates"]}))  # type: ignore[dict-item]
+    assert max(adaptive["rates"]) <= 1e-3  # type: ignore[arg-type]
+    assert max(best) > 0.5  # the baseline really fails: the first layers' weight gradients vanish
+    assert adaptive["skipped"] == 0
+
+
+def test_unscaled_gradients_match_fp32() -> None:
+    model, (x,), y = mlp_case()
+    reference = copy.deepcopy(model)
+    scaler = GradScaler(model)
+    backend = autoscale.backend(EAGER)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    _train_steps(model, scaler, opt, compiled, x, y, 3)  # scales move away from 1
+    assert any(r.scale > 1 for r in scaler.layers())
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(compiled(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_loss, ref_grads = step(reference, None, (x,), y)
+    assert_matches_fp32(Comparison(backend, loss.detach(), grads, ref_loss, ref_grads))
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int = 32, blocks: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+                                    for _ in range(blocks))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def test_residual_network_aligns_merges_trains_and_matches_fp32() -> None:
+    torch.manual_seed(0)
+    model, x, y = _Residual(), torch.randn(8, 16), torch.randint(0, 5, (8,))
+    reference = copy.deepcopy(model)
+    scaler = GradScaler(model, ScalingConfig(placement="all"))
+    backend = autoscale.backend(EAGER)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    _train_steps(model, scaler, opt, compiled, x, y, 3)
+    counts = {r.name: r.counts for r in backend.records[0].passes}
+    assert counts["insert_grad_scaling"]["aligned"] >= 3  # one merge per residual block
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(compiled(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_loss, ref_grads = step(reference, None, (x,), y)
+    assert_matches_fp32(Comparison(backend, loss.detach(), grads, ref_loss, ref_grads))
+    # and it trains
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = [F.cross_entropy(compiled(x), y).item()]
+    _train_steps(model, scaler, opt, compiled, x, y, 20)
+    losses.append(F.cross_entropy(compiled(x), y).item())
+    assert losses[1] < losses[0]
+
+
+def test_twenty_steps_with_changing_scales_compile_once() -> None:
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model)
+    backend = autoscale.backend(EAGER)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen = set()
+    for _ in range(20):
+        _train_steps(model, scaler, opt, compiled, x, y, 1)
+        seen.add(tuple(r.scale for r in scaler.layers()))
+    assert len(seen) > 1  # the scales did change
+    assert len(backend.records) == 1
+
+
+class _InjectInf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(flag)  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (flag,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return torch.where(flag > 0, torch.full_like(grad, float("inf")), grad), None
+
+
+class _Injectable(nn.Module):
+    """A 4-layer MLP whose third layer's input gradient can be made inf at will."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(16, 16) for _ in range(4))
+        self.register_buffer("inject", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.l1(F.relu(self.l0(x))))
+        h = _InjectInf.apply(h, self.inject)  # the gradient of l2's input: made under l2's scale
+        return self.l3(F.relu(self.l2(h)))
+
+
+def test_inf_in_one_layer_skips_the_step_and_backs_off_only_that_layer() -> None:
+    torch.manual_seed(0)
+    model, x, y = _Injectable(), torch.randn(8, 16), torch.randint(0, 16, (8,))
+    scaler = GradScaler(model, ScalingConfig(placement="all"))
+    compiled = torch.compile(model, backend=autoscale.backend(EAGER))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    assert _train_steps(model, scaler, opt, compiled, x, y, 3) == [False] * 3
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt_state = copy.deepcopy(opt.state_dict())
+    scales = {r.name: r.scale for r in scaler.layers()}
+
+    model.inject.fill_(1)
+    assert _train_steps(model, scaler, opt, compiled, x, y, 1) == [True]
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+    after = opt.state_dict()
+    for key, state in opt_state["state"].items():
+        for field, value in state.items():
+            assert torch.equal(after["state"][key][field], value), (key, field)
+    now = {r.name: r.scale for r in scaler.layers()}
+    assert now["l2"] == scales["l2"] / 2
+    assert {k: v for k, v in now.items() if k != "l2"} == {k: v for k, v in scales.items() if k != "l2"}
+    assert {r.name: r.overflows for r in scaler.layers()}["l2"] == 1
+
+    model.inject.fill_(0)
+    assert _train_steps(model, scaler, opt, compiled, x, y, 2) == [False, False]  # recovers
+
+
+def _inject_grads_inf(model: nn.Module) -> None:
+    next(model.parameters()).grad[0, 0] = float("inf")
+
+
+@pytest.mark.parametrize("hysteresis", [1])
+def test_dynamic_mode_reproduces_torch_amp(hysteresis: int) -> None:
+    """Same model, same injected overflows: the same scale after every step and the same skips."""
+    torch.manual_seed(0)
+    model, (x,), y = mlp_case()
+    twin = copy.deepcopy(model)
+    ours = GradScaler(model, ScalingConfig(mode="dynamic", init_scale=2.0**10, growth_interval=3,
+                                           hysteresis=hysteresis))
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.01), torch.optim.SGD(twin.parameters(), lr=0.01)
+    overflow_at = {2, 3, 9, 10, 11, 17}
+    for i in range(24):
+        for m, scaler, o in ((model, ours, opt), (twin, theirs, twin_opt)):
+            o.zero_grad(set_to_none=True)
+            scaler.scale(F.cross_entropy(m(x), y)).backward()
+            if i in overflow_at:
+                _inject_grads_inf(m)
+            before = [p.detach().clone() for p in m.parameters()]
+            scaler.step(o)
+            scaler.update()
+            stepped = any(not torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))
+            assert stepped == (i not in overflow_at)
+        assert ours.get_scale() == theirs.get_scale(), i
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_dynamic_hysteresis_and_min_scale() -> None:
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model, ScalingConfig(mode="dynamic", init_scale=8.0, hysteresis=2, min_scale=4.0,
+                                             growth_interval=100))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    trajectory = []
+    for _ in range(4):
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        _inject_grads_inf(model)
+        scaler.step(opt)
+        scaler.update()
+        trajectory.append(scaler.get_scale())
+    # first overflow tolerated (hysteresis 2), then halved, then held at min_scale
+    assert trajectory == [8.0, 4.0, 4.0, 4.0]
+
+
+def test_static_and_none_modes() -> None:
+    model, (x,), y = mlp_case()
+    static = GradScaler(model, ScalingConfig(mode="static", init_scale=64.0))
+    loss = F.cross_entropy(model(x), y)
+    assert torch.equal(static.scale(loss), loss * 64)
+    none = GradScaler(model, ScalingConfig(mode="none"))
+    assert not none.is_enabled() and none.scale(loss) is loss and none.get_scale() == 1.0
+
+
+def test_state_dict_round_trip_continues_bit_identically() -> None:
+    def make() -> tuple[nn.Module, GradScaler, torch.optim.Optimizer, nn.Module]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = mlp_case()[0]
+        scaler = GradScaler(model)
+        return model, scaler, torch.optim.Adam(model.parameters(), lr=1e-2), torch.compile(
+            model, backend=autoscale.backend(EAGER))
+
+    _, (x,), y = mlp_case()
+    model, scaler, opt, compiled = make()
+    _train_steps(model, scaler, opt, compiled, x, y, 4)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), scaler.state_dict()))
+    _train_steps(model, scaler, opt, compiled, x, y, 4)
+
+    model2, scaler2, opt2, compiled2 = make()
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    scaler2.load_state_dict(saved[2])
+    _train_steps(model2, scaler2, opt2, compiled2, x, y, 4)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert [r.scale for r in scaler.layers()] == [r.scale for r in scaler2.layers()]
+    with pytest.raises(ValueError, match="state_dict is for mode 'adaptive'"):
+        GradScaler(mlp_case()[0], ScalingConfig(mode="dynamic")).load_state_dict(saved[2])
+
+
+def test_fused_optimizer_protocol_needs_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model)
+    compiled = torch.compile(model, backend=autoscale.backend(EAGER))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    assert getattr(opt, "_step_supports_amp_scaling", False)
+    _train_steps(model, scaler, opt, compiled, x, y, 1)
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(compiled(x), y)).backward()
+
+    def no_sync(*args: object) -> None:
+        raise AssertionError("host sync in GradScaler.step")
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "item", no_sync)
+        m.setattr(torch.Tensor, "__bool__", no_sync)
+        scaler.step(opt)
+    scaler.update()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_telemetry_log(tmp_path: Path) -> None:
+    model, (x,), y = mlp_case()
+    log = tmp_path / "telemetry.jsonl"
+    scaler = GradScaler(model, telemetry=log)
+    compiled = torch.compile(model, backend=autoscale.backend(EAGER))
+    _train_steps(model, scaler, torch.optim.SGD(model.parameters(), lr=0.01), compiled, x, y, 3)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert set(records[-1]["layers"]) >= {"fc1", "fc2", "fc3"}
+    assert all({"scale", "zero_rate", "overflows"} <= set(v) for v in records[-1]["layers"].values())
+
+
+def test_layers_report() -> None:
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model)
+    compiled = torch.compile(model, backend=autoscale.backend(EAGER))
+    _train_steps(model, scaler, torch.optim.SGD(model.parameters(), lr=0.01), compiled, x, y, 2)
+    names = [r.name for r in scaler.layers()]
+    assert {"fc1", "fc2", "fc3"} <= set(names)
+    assert all(r.scale >= 1 and 0 <= r.zero_rate <= 1 and r.overflows == 0 for r in scaler.layers())
+
+
+def test_stats_columns_are_documented() -> None:
+    assert set(STAT) == {"nonfinite", "amax", "sum", "sumsq", "count", "zeros", "numel"}
