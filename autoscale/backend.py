@@ -19,6 +19,7 @@ from torch.fx import GraphModule
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport, precision_report
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
+from autoscale.passes.analyze_underflow import seed_inputs
 from autoscale.passes.graph_utils import dtype_name
 
 __all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend"]
@@ -72,7 +73,9 @@ class Backend:
         from autoscale.executors import EXECUTORS, inductor_keeps_roundings  # Inductor: only when compiling
 
         cfg = self.config.resolved(_device_of(example_inputs))
+        seed_inputs(gm, example_inputs)
         passes = run_stage(gm, cfg, "dynamo", self.pipeline)
+        _seed_scales(gm, example_inputs)
         report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
         record = CompileRecord(cfg, report, passes)
         self.records.append(record)
@@ -101,6 +104,20 @@ def backend(config: Config | None = None) -> Backend:
 def autoscale_backend(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
     """The backend registered as ``"autoscale"`` (entry point ``torch_dynamo_backends``)."""
     return Backend()(gm, example_inputs)
+
+
+def _seed_scales(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Start the layers' scales from the analysis' prediction, so the first step is already
+    scaled. Only rows still at their initial 1.0 are set: a recompile never undoes what the
+    scaler has learnt."""
+    initial = gm.meta.get("autoscale_initial_scales")
+    if not initial:
+        return
+    scales = example_inputs[gm.meta["autoscale_scales_input"]]
+    with torch.no_grad():
+        for row, value in initial.items():
+            if float(scales[row]) == 1.0:
+                scales[row] = value
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:

@@ -36,6 +36,10 @@ def _choice(owner: str, name: str, value: object, allowed: tuple[str, ...]) -> N
 class ScalingConfig:
     """Gradient-scaling settings (DESIGN.md §4).
 
+    ``GradScaler`` reads the runtime settings (mode, rule, margin, update_every, the caps and the
+    dynamic-mode knobs); the backend reads the compile-time ones (``placement``, ``gamma``, and
+    ``margin`` for the initial scales) from ``Config.scaling``.
+
     mode:       "adaptive" (per-layer scales in the backward graph, the default), "dynamic" (one
                 global loss scale with torch.amp.GradScaler semantics, plus ``hysteresis`` and
                 ``min_scale``), "static" (a fixed loss scale ``init_scale``) or "none".

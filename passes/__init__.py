@@ -7,6 +7,7 @@ README.md beside this file.
 
 from __future__ import annotations
 
+from .analyze_underflow import analyze_underflow
 from .convert_precision import convert_precision
 from .emulate_compute import emulate_compute
 from .fold_casts import fold_casts
@@ -20,6 +21,7 @@ __all__ = [
     "PassRecord",
     "PassResult",
     "PassSpec",
+    "analyze_underflow",
     "Stage",
     "convert_precision",
     "emulate_compute",
@@ -34,6 +36,7 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec(remove_inplace, "dynamo"),
     PassSpec(convert_precision, "dynamo"),
     PassSpec(emulate_compute, "dynamo"),
+    PassSpec(analyze_underflow, "dynamo"),
     PassSpec(insert_grad_scaling, "dynamo"),
     PassSpec(fold_casts, "dynamo"),
     # AOTAutograd's joint forward+backward ATen graph, before partitioning.

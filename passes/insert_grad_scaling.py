@@ -21,6 +21,8 @@ scale, whatever it arrived with. Layers are module paths; each maps to a row of 
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,9 +31,11 @@ from torch.fx import Graph, GraphModule, Node
 from autoscale.ops import rescale
 from autoscale.runtime import LAYOUT_SEP, LOSS_ROW
 
+from .analyze_underflow import MOMENTS_KEY
 from .graph_utils import (
     PROVENANCE_KEY,
     cast_of,
+    dtype_name,
     float_dtype,
     layer_of,
     op_name,
@@ -45,7 +49,7 @@ from .op_tables import Category, category_of
 if TYPE_CHECKING:
     from autoscale.config import Config
 
-__all__ = ["insert_grad_scaling", "scale_points"]
+__all__ = ["ScalePoint", "insert_grad_scaling", "scale_points"]
 
 PASS = "insert_grad_scaling"
 Rows = frozenset[int]
@@ -65,40 +69,76 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
 
     points = scale_points(graph, cfg)
     if cfg.scaling.placement == "predicted":
-        points = [(n, why) for n, why in points if n.meta.get("autoscale_underflow", 1.0) > cfg.scaling.gamma]
+        points = [p for p in points if p.underflow > cfg.scaling.gamma]
+    gm.meta["autoscale_scales_input"] = list(graph.find_nodes(op="placeholder")).index(scales)
+    gm.meta["autoscale_initial_scales"] = _initial_scales(points, state, 65504.0 / 2.0**cfg.scaling.margin)
     graph.erase_node(attach)
     state.requires = _requires_grad_map(graph)
-    for target, why in points:
-        state.scale_point(target, why)
+    for point in points:
+        state.scale_point(point.node, point.reason)
     aligned = state.carry()
     unscaled = state.unscale_parameters()
     return PassResult(gm, modified=True, counts={
         "scale_points": len(points), "aligned": aligned, "unscaled": unscaled})
 
 
-def scale_points(graph: Graph, cfg: Config) -> list[tuple[Node, str]]:
-    """The nodes whose gradient gets a scale point, with the reason.
+@dataclass(frozen=True)
+class ScalePoint:
+    """Where a scale point goes, why, and what the analysis predicts for the gradients it governs
+    (at scale 1): the worst underflow rate, and the largest magnitude (None when unknown)."""
+
+    node: Node
+    reason: str
+    underflow: float
+    amax: float | None
+
+
+def _initial_scales(points: list[ScalePoint], state: _State, headroom: float) -> dict[int, float]:
+    """Per row, the headroom rule applied to the predicted magnitudes: the scales to start from."""
+    amax: dict[int, float] = {}
+    for p in points:
+        if p.amax is not None and p.amax > 0:
+            row = state.row(p.node)
+            amax[row] = max(amax.get(row, 0.0), p.amax)
+    return {row: 2.0 ** math.floor(math.log2(headroom / a)) for row, a in amax.items()}
+
+
+def scale_points(graph: Graph, cfg: Config) -> list[ScalePoint]:
+    """Candidate scale points, with the analysis' predictions (rate 1 where it has none).
 
     The low-precision output of an allow-list op (after ``emulate_compute``, the cast that rounds
-    it), and a cast out of low precision inserted by the precision pass.
+    it): it governs the op's incoming gradient and the gradients of its inputs (G_x, dW). And a
+    cast out of low precision inserted by the precision pass: it governs the gradient its
+    backward rounds into low precision.
     """
     low = cfg.dtype
-    points = []
     requires = _requires_grad_map(graph)
+    points = []
     for n in graph.nodes:
         if not requires[n] or n.op not in ("call_function", "call_method"):
             continue
         if category_of(op_name(n) or "", cfg.op_overrides) is Category.ALLOW:
             users = list(n.users)
             if float_dtype(n) == low:
-                points.append((n, f"gradient into the backward GEMMs of {n.name}"))
+                target = n
             elif len(users) == 1 and cast_of(users[0]) == (n, low):  # emulated: its rounding cast
-                points.append((users[0], f"gradient into the backward GEMMs of {n.name}"))
+                target = users[0]
+            else:
+                continue
+            governed = [target, *(a for a in n.all_input_nodes if requires.get(a))]
+            points.append(_point(target, f"gradient into the backward GEMMs of {n.name}", governed))
         elif n.meta.get(PROVENANCE_KEY, {}).get("pass") == "convert_precision":
             cast = cast_of(n)
             if cast is not None and float_dtype(cast[0]) == low and cast[1] == torch.float32:
-                points.append((n, f"gradient cast into {str(low)[6:]} for {n.name}"))
+                points.append(_point(n, f"gradient cast into {dtype_name(low)} for {n.name}", [n]))
     return points
+
+
+def _point(node: Node, reason: str, governed: list[Node]) -> ScalePoint:
+    grads = [n.meta.get(MOMENTS_KEY, {}).get("grad") for n in governed]
+    rates = [n.meta.get("autoscale_underflow", 1.0) for n in governed]
+    known = [g.amax for g in grads if g is not None]
+    return ScalePoint(node, reason, max(rates), max(known) if len(known) == len(grads) else None)
 
 
 class _State:

@@ -20,6 +20,7 @@ from tests.helpers import Comparison, assert_matches_fp32, step
 from tests.models import mlp_case
 
 EAGER = autoscale.Config(executor="eager")
+EVERYWHERE = autoscale.Config(executor="eager", scaling=ScalingConfig(placement="all"))  # placement is compile-time
 
 
 def _train_steps(model: nn.Module, scaler: GradScaler, opt: torch.optim.Optimizer, compiled: nn.Module,
@@ -86,8 +87,8 @@ def test_residual_network_aligns_merges_trains_and_matches_fp32() -> None:
     torch.manual_seed(0)
     model, x, y = _Residual(), torch.randn(8, 16), torch.randint(0, 5, (8,))
     reference = copy.deepcopy(model)
-    scaler = GradScaler(model, ScalingConfig(placement="all"))
-    backend = autoscale.backend(EAGER)
+    scaler = GradScaler(model)
+    backend = autoscale.backend(EVERYWHERE)
     compiled = torch.compile(model, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     _train_steps(model, scaler, opt, compiled, x, y, 3)
@@ -151,8 +152,8 @@ class _Injectable(nn.Module):
 def test_inf_in_one_layer_skips_the_step_and_backs_off_only_that_layer() -> None:
     torch.manual_seed(0)
     model, x, y = _Injectable(), torch.randn(8, 16), torch.randint(0, 16, (8,))
-    scaler = GradScaler(model, ScalingConfig(placement="all"))
-    compiled = torch.compile(model, backend=autoscale.backend(EAGER))
+    scaler = GradScaler(model)
+    compiled = torch.compile(model, backend=autoscale.backend(EVERYWHERE))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     assert _train_steps(model, scaler, opt, compiled, x, y, 3) == [False] * 3
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}

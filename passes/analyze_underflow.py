@@ -1,0 +1,535 @@
+"""Predict, before anything runs, the magnitude of every value and gradient in the graph.
+
+Each floating-point node gets ``Moments`` (mean, mean square, max |x|) for its value, from the
+real inputs and parameters, propagated forward with per-op rules; then ``Moments`` for its
+gradient, propagated backward from the outputs (a scalar output — the loss — gets gradient 1; a
+tensor output is assumed to feed a mean-reduced cross-entropy over its last dimension). From the
+gradient's spread σ the predicted float16 underflow rate is ``erf(u_min / (√2·σ))`` (zero-mean
+Gaussian model, u_min = 2⁻²⁴), and the overflow risk is whether the predicted max exceeds
+65504 / 2^margin.
+
+Rules are a registry keyed by op name; an op without a rule makes its value (or gradient)
+unknown, never a crash. Reduction lengths are sympy expressions (symbolic under dynamic shapes),
+evaluated with the shape environment's hints. Results go to ``node.meta``:
+``autoscale_moments`` = {"value": Moments | None, "grad": Moments | None}, and, where the
+gradient is known, ``autoscale_underflow`` (rate) and ``autoscale_overflow`` (bool).
+
+Seeds: ``seed_inputs(gm, example_inputs)`` records the moments of real example tensors on the
+placeholders (the backend does it; the pass itself sees only fake tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+
+from .graph_utils import cast_of, op_name, tensor_val
+from .manager import PassResult
+
+if TYPE_CHECKING:
+    from autoscale.config import Config
+
+__all__ = ["Moments", "analyze_underflow", "predicted_underflow", "seed_inputs"]
+
+PASS = "analyze_underflow"
+U_MIN = 2.0**-24
+SEED_KEY, MOMENTS_KEY = "autoscale_seed", "autoscale_moments"
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Magnitude statistics of a tensor's elements: mean, mean square, max |x|."""
+
+    mean: float
+    ms: float
+    amax: float
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(max(self.ms - self.mean**2, 0.0))
+
+    @staticmethod
+    def of(t: torch.Tensor) -> Moments:
+        x = t.detach().double()
+        if x.numel() == 0:
+            return Moments(0.0, 0.0, 0.0)
+        return Moments(float(x.mean()), float((x * x).mean()), float(x.abs().max()))
+
+    @staticmethod
+    def gaussian(mean: float, ms: float, n: float) -> Moments:
+        """Moments with the max a Gaussian sample of ``n`` values would have."""
+        std = math.sqrt(max(ms - mean**2, 0.0))
+        return Moments(mean, ms, abs(mean) + std * math.sqrt(2 * math.log(max(n, 2.0))))
+
+    def scaled(self, c: float) -> Moments:
+        return Moments(self.mean * c, self.ms * c * c, self.amax * abs(c))
+
+
+def predicted_underflow(grad: Moments) -> float:
+    """Fraction of a zero-mean Gaussian with the gradient's spread that float16 rounds to zero."""
+    sigma = math.sqrt(max(grad.ms, 0.0))
+    return 1.0 if sigma == 0 else math.erf(U_MIN / (math.sqrt(2) * sigma))
+
+
+def seed_inputs(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Record the moments of the real example tensors on ``gm``'s placeholders."""
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=False):
+        if isinstance(value, torch.Tensor) and value.dtype.is_floating_point and not value.is_meta:
+            node.meta[SEED_KEY] = Moments.of(value)
+
+
+def analyze_underflow(gm: GraphModule, cfg: Config) -> PassResult:
+    """Annotate every node with predicted value and gradient moments (see the module docstring)."""
+    nodes = list(gm.graph.nodes)
+    value: dict[Node, Moments | None] = {}
+    for n in nodes:
+        value[n] = n.meta.get(SEED_KEY) if n.op == "placeholder" else _forward(n, value)
+    grad: dict[Node, list[Moments | None]] = {}
+    for out in gm.graph.find_nodes(op="output"):
+        for arg in out.all_input_nodes:
+            grad.setdefault(arg, []).append(_output_gradient(arg, value))
+    known = 0
+    headroom = 65504.0 / 2.0**cfg.scaling.margin
+    for n in reversed(nodes):
+        parts = grad.get(n, [])
+        # a tuple's elements are disjoint pieces (unbind, chunk): their gradients do not add up
+        g = _average(parts) if isinstance(tensor_val(n), tuple | list) else _sum(parts)
+        n.meta[MOMENTS_KEY] = {"value": value.get(n), "grad": g}
+        if g is None:
+            continue
+        known += 1
+        n.meta["autoscale_underflow"] = predicted_underflow(g)
+        n.meta["autoscale_overflow"] = g.amax > headroom
+        if n.op in ("call_function", "call_method"):
+            for arg, ga in _backward(n, g, value).items():
+                grad.setdefault(arg, []).append(ga)
+    return PassResult(gm, modified=False, counts={"nodes": len(nodes), "gradients_known": known})
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _hint(size: Any) -> float:
+    """A size as a number; symbolic sizes are sympy expressions evaluated with their hints."""
+    if isinstance(size, torch.SymInt):
+        expr = size.node.expr
+        return float(expr.subs(size.node.shape_env.var_to_val) if isinstance(expr, sympy.Expr) else expr)
+    return float(size)
+
+
+def _numel(n: Any) -> float:
+    val = tensor_val(n) if isinstance(n, Node) else None
+    if not isinstance(val, torch.Tensor):
+        return 1.0
+    return math.prod(_hint(s) for s in val.shape)
+
+
+def _shape(n: Any) -> tuple[float, ...]:
+    val = tensor_val(n) if isinstance(n, Node) else None
+    return tuple(_hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _m(arg: Any, value: dict[Node, Moments | None]) -> Moments | None:
+    if isinstance(arg, Node):
+        return value.get(arg)
+    if isinstance(arg, int | float) and not isinstance(arg, bool):
+        return Moments(float(arg), float(arg) ** 2, abs(float(arg)))
+    return None
+
+
+def _known(parts: list[Moments | None]) -> list[Moments] | None:
+    known = [p for p in parts if p is not None]
+    return known if known and len(known) == len(parts) else None
+
+
+def _sum(parts: list[Moments | None]) -> Moments | None:
+    """Moments of a sum of independent contributions (a gradient used in several places)."""
+    known = _known(parts)
+    if known is None:
+        return None
+    mean = sum(p.mean for p in known)
+    return Moments(mean, sum(p.std**2 for p in known) + mean**2, sum(p.amax for p in known))
+
+
+def _average(parts: list[Moments | None]) -> Moments | None:
+    """Moments of disjoint pieces of equal size taken together (the elements of a tuple)."""
+    known = _known(parts)
+    if known is None:
+        return None
+    k = len(known)
+    return Moments(sum(p.mean for p in known) / k, sum(p.ms for p in known) / k, max(p.amax for p in known))
+
+
+@functools.cache
+def _hermite(points: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gauss–Hermite nodes and weights for E[f(Z)], Z ~ N(0, 1) (Golub–Welsch)."""
+    k = torch.arange(1, points, dtype=torch.float64)
+    jacobi = torch.diag(torch.sqrt(k), 1) + torch.diag(torch.sqrt(k), -1)
+    nodes, vectors = torch.linalg.eigh(jacobi)
+    return nodes, vectors[0] ** 2
+
+
+def _expect(f: Callable[[torch.Tensor], torch.Tensor], m: Moments) -> tuple[float, float, float]:
+    """E[f(X)], E[f(X)²] and E[f'(X)²] for X Gaussian with m's mean and spread."""
+    z, w = _hermite()
+    x = (m.mean + m.std * z).requires_grad_(True)
+    y = f(x)
+    (dy,) = torch.autograd.grad(y.sum(), x)
+    y = y.detach()
+    return float((w * y).sum()), float((w * y * y).sum()), float((w * dy * dy).sum())
+
+
+# ------------------------------------------------------------------------------ forward rules
+
+_UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "elu": F.elu, "leaky_relu": F.leaky_relu, "relu6": F.relu6, "hardtanh": F.hardtanh, "softplus": F.softplus,
+    "mish": F.mish, "hardswish": F.hardswish, "abs": torch.abs, "neg": torch.neg, "square": torch.square,
+    "sin": torch.sin, "cos": torch.cos, "erf": torch.erf, "exp": torch.exp,
+}
+_IDENTITY = frozenset({
+    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "clone", "expand",
+    "squeeze", "unsqueeze", "unbind", "split", "chunk", "getitem", "dropout", "detach", "masked_fill",
+    "rescale", "to", "float", "half", "bfloat16", "type_as", "max_pool2d", "max_pool1d", "pad", "repeat", "roll",
+    "narrow", "select", "slice", "alias", "view_as",
+})
+
+
+def _gemm(x: Moments, w: Moments, k: float, n: float, bias: Moments | None = None) -> Moments:
+    """y = Σ_k x·w over a reduction of length k (+ bias), independent factors."""
+    mean = k * x.mean * w.mean + (bias.mean if bias else 0.0)
+    var = k * (x.ms * w.ms - (x.mean * w.mean) ** 2) + (bias.std**2 if bias else 0.0)
+    return Moments.gaussian(mean, var + mean**2, n)
+
+
+def _forward(n: Node, value: dict[Node, Moments | None]) -> Moments | None:
+    if n.op not in ("call_function", "call_method"):
+        return None
+    name = op_name(n) or ""
+    if cast_of(n) is not None or name in _IDENTITY:
+        src = n.args[0] if n.args else None
+        return value.get(src) if isinstance(src, Node) else None
+    rule = _FORWARD.get(name)
+    if rule is not None:
+        return rule(n, value)
+    if name in _UNARY and n.args:
+        m = _m(n.args[0], value)
+        if m is None:
+            return None
+        mean, ms, _ = _expect(_UNARY[name], m)
+        return Moments.gaussian(mean, ms, _numel(n))
+    return None
+
+
+def _linear(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    x, w = _m(n.args[0], v), _m(n.args[1], v)
+    bias = _m(n.args[2], v) if len(n.args) > 2 and n.args[2] is not None else None
+    if x is None or w is None:
+        return None
+    return _gemm(x, w, _shape(n.args[0])[-1], _numel(n), bias)
+
+
+def _matmul(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    a, b = _m(n.args[0], v), _m(n.args[1], v)
+    if a is None or b is None:
+        return None
+    return _gemm(a, b, _shape(n.args[0])[-1], _numel(n))
+
+
+def _conv(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    x, w = _m(n.args[0], v), _m(n.args[1], v)
+    bias = _m(n.args[2], v) if len(n.args) > 2 and isinstance(n.args[2], Node) else None
+    if x is None or w is None:
+        return None
+    k = math.prod(_shape(n.args[1])[1:])
+    return _gemm(x, w, k, _numel(n), bias)
+
+
+def _binary(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    a, b = _m(n.args[0], v), _m(n.args[1], v) if len(n.args) > 1 else None
+    if a is None or b is None:
+        return None
+    name = op_name(n)
+    if name in ("add", "sub", "rsub"):
+        sign = -1.0 if name == "sub" else 1.0
+        mean = a.mean + sign * b.mean
+        return Moments.gaussian(mean, a.std**2 + b.std**2 + mean**2, _numel(n))
+    if name == "mul":
+        return Moments.gaussian(a.mean * b.mean, a.ms * b.ms, _numel(n))
+    if name in ("div", "truediv") and not isinstance(n.args[1], Node):
+        return a.scaled(1.0 / float(n.args[1]))  # type: ignore[arg-type]
+    return None
+
+
+def _normalize(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    """layer/batch/group norm: unit spread, then the affine weight and bias."""
+    name = op_name(n)
+    weight_at, bias_at = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4)}[name or ""]
+    args = list(n.args) + [None] * 5
+    w = _m(n.kwargs.get("weight", args[weight_at]), v)
+    b = _m(n.kwargs.get("bias", args[bias_at]), v)
+    w_ms = w.ms if w else 1.0
+    mean = b.mean if b else 0.0
+    return Moments.gaussian(mean, w_ms + (b.ms if b else 0.0), _numel(n))
+
+
+def _softmax(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    x = _m(n.args[0], v)
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else -1)
+    if x is None or not isinstance(dim, int):
+        return None
+    length = _shape(n.args[0])[dim]
+    return Moments(1.0 / length, math.exp(min(x.std**2, 50.0)) / length**2, 1.0)
+
+
+def _sdpa(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    q, k, val = (_m(a, v) for a in n.args[:3])
+    if q is None or k is None or val is None:
+        return None
+    keys = _shape(n.args[1])[-2]
+    causal = bool(n.kwargs.get("is_causal", False))
+    effective = keys / 2 if causal else keys  # a causal row averages over half the keys on average
+    score_var = _shape(n.args[0])[-1] * q.ms * k.ms / _shape(n.args[0])[-1]  # q·k/√d
+    concentration = math.exp(min(score_var, 50.0)) / effective
+    return Moments.gaussian(val.mean, val.mean**2 + val.std**2 * min(1.0, concentration), _numel(n))
+
+
+def _embedding(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    return _m(n.args[1], v)
+
+
+def _pool_mean(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    x = _m(n.args[0], v)
+    if x is None:
+        return None
+    window = _numel(n.args[0]) / max(_numel(n), 1.0)
+    return Moments.gaussian(x.mean, x.mean**2 + x.std**2 / window, _numel(n))
+
+
+def _reduce(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    x = _m(n.args[0], v)
+    if x is None:
+        return None
+    count = _numel(n.args[0]) / max(_numel(n), 1.0)
+    mean = x.mean if op_name(n) == "mean" else x.mean * count
+    spread = x.std**2 / count if op_name(n) == "mean" else x.std**2 * count
+    return Moments.gaussian(mean, spread + mean**2, _numel(n))
+
+
+def _cross_entropy(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    classes = _shape(n.args[0])[-1] if _shape(n.args[0]) else 2.0
+    return Moments(math.log(classes), math.log(classes) ** 2, math.log(classes))
+
+
+def _cat(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    tensors = list(n.args[0])  # type: ignore[arg-type]
+    moments = _known([_m(a, v) for a in tensors])
+    if moments is None:
+        return None
+    sizes = [_numel(a) for a in tensors]
+    total = sum(sizes)
+    mean = sum(size * m.mean for size, m in zip(sizes, moments, strict=True)) / total
+    ms = sum(size * m.ms for size, m in zip(sizes, moments, strict=True)) / total
+    return Moments(mean, ms, max(m.amax for m in moments))
+
+
+_FORWARD: dict[str, Callable[[Node, dict[Node, Moments | None]], Moments | None]] = {
+    "linear": _linear, "matmul": _matmul, "mm": _matmul, "bmm": _matmul,
+    "conv1d": _conv, "conv2d": _conv, "conv3d": _conv,
+    "add": _binary, "sub": _binary, "rsub": _binary, "mul": _binary, "div": _binary, "truediv": _binary,
+    "layer_norm": _normalize, "batch_norm": _normalize, "group_norm": _normalize,
+    "softmax": _softmax, "scaled_dot_product_attention": _sdpa, "embedding": _embedding,
+    "adaptive_avg_pool2d": _pool_mean, "avg_pool2d": _pool_mean, "mean": _reduce, "sum": _reduce,
+    "cross_entropy": _cross_entropy, "cat": _cat, "concat": _cat,
+}
+
+
+# ----------------------------------------------------------------------------- backward rules
+
+
+def _output_gradient(out: Node, value: dict[Node, Moments | None]) -> Moments | None:
+    """The gradient arriving at a graph output: 1 for a scalar loss; for a tensor, the gradient of
+    a mean-reduced cross-entropy over its last dimension, (softmax - onehot) / batch."""
+    shape = _shape(out)
+    if not shape:
+        return Moments(1.0, 1.0, 1.0)
+    classes, batch = shape[-1], _numel(out) / shape[-1]
+    ms = (1.0 - 1.0 / classes) / classes / batch**2
+    return Moments(0.0, ms, 1.0 / batch)
+
+
+def _grad(ms: float, n: Any, mean: float = 0.0) -> Moments:
+    return Moments.gaussian(mean, ms, _numel(n))
+
+
+def _backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    name = op_name(n) or ""
+    inputs = [a for a in n.all_input_nodes if v.get(a) is not None or a.op == "placeholder"]
+    if cast_of(n) is not None or name in _IDENTITY:
+        src = n.args[0] if n.args else None
+        return {src: g} if isinstance(src, Node) else {}
+    rule = _BACKWARD.get(name)
+    if rule is not None:
+        return rule(n, g, v)
+    if name in _UNARY and isinstance(n.args[0], Node) and v.get(n.args[0]) is not None:
+        _, _, slope = _expect(_UNARY[name], v[n.args[0]])  # type: ignore[arg-type]
+        return {n.args[0]: _grad(g.ms * slope, n.args[0])}
+    return {a: None for a in inputs}  # no rule: the inputs' gradients are unknown
+
+
+def _gemm_backward(x: Node, w: Node, g: Moments, v: dict[Node, Moments | None], *, out_features: float,
+                   rows: float, bias: Any = None) -> dict[Node, Moments | None]:
+    xm, wm = v.get(x), v.get(w)
+    grads: dict[Node, Moments | None] = {
+        x: _grad(out_features * g.ms * wm.ms, x) if wm else None,
+        w: _grad(rows * g.ms * xm.ms, w) if xm else None,
+    }
+    if isinstance(bias, Node):
+        grads[bias] = _grad(rows * g.std**2 + (rows * g.mean) ** 2, bias)
+    return grads
+
+
+def _linear_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    x, w = n.args[0], n.args[1]
+    assert isinstance(x, Node) and isinstance(w, Node)
+    out_features = _shape(w)[0]
+    return _gemm_backward(x, w, g, v, out_features=out_features, rows=_numel(n) / out_features,
+                          bias=n.args[2] if len(n.args) > 2 else None)
+
+
+def _matmul_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    a, b = n.args[0], n.args[1]
+    assert isinstance(a, Node) and isinstance(b, Node)
+    am, bm = v.get(a), v.get(b)
+    return {a: _grad(_shape(b)[-1] * g.ms * bm.ms, a) if bm else None,
+            b: _grad(_shape(a)[-2] * g.ms * am.ms, b) if am and len(_shape(a)) >= 2 else None}
+
+
+def _conv_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    x, w = n.args[0], n.args[1]
+    assert isinstance(x, Node) and isinstance(w, Node)
+    wshape = _shape(w)
+    fan_out = wshape[0] * math.prod(wshape[2:])
+    rows = _numel(n) / wshape[0]  # batch × output positions
+    return _gemm_backward(x, w, g, v, out_features=fan_out, rows=rows,
+                          bias=n.args[2] if len(n.args) > 2 else None)
+
+
+def _binary_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    name = op_name(n)
+    grads: dict[Node, Moments | None] = {}
+    for i, arg in enumerate(n.args[:2]):
+        if not isinstance(arg, Node):
+            continue
+        other = n.args[1 - i]
+        part: Moments | None
+        if name in ("add", "sub", "rsub"):
+            part = g
+        elif name == "mul":
+            om = _m(other, v)
+            part = _grad(g.ms * om.ms, arg) if om else None
+        elif name in ("div", "truediv") and i == 0 and not isinstance(other, Node):
+            part = g.scaled(1.0 / float(other))  # type: ignore[arg-type]
+        else:
+            part = None
+        if part is not None:
+            broadcast = _numel(n) / max(_numel(arg), 1.0)  # summed over broadcast dimensions
+            part = _grad(part.std**2 * broadcast + (part.mean * broadcast) ** 2, arg, part.mean * broadcast)
+        grads[arg] = part
+    return grads
+
+
+def _normalize_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    name = op_name(n)
+    weight_at, bias_at = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4)}[name or ""]
+    args = list(n.args) + [None] * 5
+    x, w, b = args[0], n.kwargs.get("weight", args[weight_at]), n.kwargs.get("bias", args[bias_at])
+    xm, wm = _m(x, v), _m(w, v)
+    grads: dict[Node, Moments | None] = {}
+    if isinstance(x, Node):
+        grads[x] = _grad(g.ms * (wm.ms if wm else 1.0) / max(xm.std**2, 1e-12), x) if xm else None
+    rows = _numel(n) / max(_numel(w), 1.0) if isinstance(w, Node) else 1.0
+    if isinstance(w, Node):
+        grads[w] = _grad(rows * g.ms, w)  # normalized inputs have unit mean square
+    if isinstance(b, Node):
+        grads[b] = _grad(rows * g.ms, b)
+    return grads
+
+
+def _softmax_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    y = v.get(n)
+    x = n.args[0]
+    if not isinstance(x, Node) or y is None:
+        return {}
+    return {x: _grad(g.std**2 * y.ms, x)}  # y ⊙ (g - Σ y·g): the mean of g cancels
+
+
+def _cross_entropy_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    logits = n.args[0]
+    if not isinstance(logits, Node):
+        return {}
+    grad = _output_gradient(logits, v)
+    assert grad is not None
+    return {logits: grad.scaled(g.mean if g.mean else 1.0)}
+
+
+def _reduce_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    x = n.args[0]
+    if not isinstance(x, Node):
+        return {}
+    count = _numel(x) / max(_numel(n), 1.0)
+    return {x: g.scaled(1.0 / count) if op_name(n) == "mean" else g}
+
+
+def _pool_mean_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    x = n.args[0]
+    window = _numel(x) / max(_numel(n), 1.0) if isinstance(x, Node) else 1.0
+    return {x: g.scaled(1.0 / window)} if isinstance(x, Node) else {}
+
+
+def _sdpa_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    q, k, val = n.args[:3]
+    if not all(isinstance(a, Node) for a in (q, k, val)):
+        return {}
+    qm, km, vm = v.get(q), v.get(k), v.get(val)  # type: ignore[arg-type]
+    if qm is None or km is None or vm is None:
+        return {q: None, k: None, val: None}  # type: ignore[dict-item]
+    keys = _shape(k)[-2]
+    # dV = Pᵀ·dO sums about one row's worth of dO; dQ, dK go through softmax: ~ dO·V·K/√d scale
+    d = _shape(q)[-1]
+    dscores = g.ms * vm.std**2 * d / keys
+    return {val: _grad(g.ms, val), q: _grad(dscores * km.ms, q), k: _grad(dscores * qm.ms, k)}  # type: ignore[dict-item]
+
+
+def _embedding_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    weight = n.args[1]
+    if not isinstance(weight, Node):
+        return {}
+    rows = _shape(weight)[0]
+    lookups = _numel(n) / _shape(weight)[-1]
+    return {weight: _grad(g.ms * lookups / rows, weight)}  # scatter-added over the rows used
+
+
+def _cat_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    return {a: g for a in n.args[0] if isinstance(a, Node)}  # type: ignore[union-attr]
+
+
+_BACKWARD: dict[str, Callable[[Node, Moments, dict[Node, Moments | None]], dict[Node, Moments | None]]] = {
+    "linear": _linear_backward, "matmul": _matmul_backward, "mm": _matmul_backward, "bmm": _matmul_backward,
+    "conv1d": _conv_backward, "conv2d": _conv_backward, "conv3d": _conv_backward,
+    "add": _binary_backward, "sub": _binary_backward, "rsub": _binary_backward, "mul": _binary_backward,
+    "div": _binary_backward, "truediv": _binary_backward,
+    "layer_norm": _normalize_backward, "batch_norm": _normalize_backward, "group_norm": _normalize_backward,
+    "softmax": _softmax_backward, "cross_entropy": _cross_entropy_backward, "mean": _reduce_backward,
+    "sum": _reduce_backward, "adaptive_avg_pool2d": _pool_mean_backward, "avg_pool2d": _pool_mean_backward,
+    "scaled_dot_product_attention": _sdpa_backward, "embedding": _embedding_backward,
+    "cat": _cat_backward, "concat": _cat_backward,
+}

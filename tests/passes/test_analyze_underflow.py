@@ -1,0 +1,133 @@
+"""The underflow analysis: predictions against a measured float32 step at initialisation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch._dynamo
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoscale
+from autoscale.passes import PassSpec, analyze_underflow, run_stage
+from autoscale.passes.analyze_underflow import MOMENTS_KEY, Moments, predicted_underflow, seed_inputs
+from autoscale.passes.graph_utils import op_name
+from tests.helpers import capture
+from tests.models import conv_case, mlp_case, transformer_case
+
+CASES = {"mlp": mlp_case, "convnet": conv_case, "transformer": transformer_case}
+PARAMETRIC_GEMMS = ("linear", "conv2d")
+
+
+def _analyzed(case: Callable[..., tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor | None]]
+              ) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    model, inputs, targets = case()
+
+    def loss(*args: torch.Tensor) -> torch.Tensor:
+        out = model(*args)
+        return out if targets is None else F.cross_entropy(out, targets)
+
+    (gm, example), = capture(loss, *inputs)
+    seed_inputs(gm, example)
+    run_stage(gm, autoscale.Config(compute="native"), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+    return gm, example
+
+
+def _measure(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> dict[torch.fx.Node, torch.Tensor]:
+    """Every node's float32 value, with ``.grad`` filled by one backward of the scalar output."""
+    values: dict[torch.fx.Node, torch.Tensor] = {}
+
+    class Record(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> object:
+            result = super().run_node(n)
+            if isinstance(result, torch.Tensor):
+                if result.requires_grad and n.op != "placeholder":
+                    result.retain_grad()
+                values[n] = result
+            return result
+
+    (Record(gm).run(*inputs)[0]).backward()
+    return values
+
+
+def _ratio(predicted: Moments, measured: torch.Tensor) -> float:
+    return predicted.std / float(measured.detach().double().std())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_predicted_std_within_factor_two_at_init(case: str) -> None:
+    """Forward: every Linear/Conv output. Backward: every gradient a scale point governs — the
+    GEMM's incoming gradient, its input's gradient and its weight's gradient."""
+    gm, inputs = _analyzed(CASES[case])
+    measured = _measure(gm, inputs)
+    checked = []
+    for gemm in (n for n in gm.graph.nodes if op_name(n) in PARAMETRIC_GEMMS):
+        x, weight = gemm.args[0], gemm.args[1]
+        checked.append((f"{gemm.name} value", _ratio(gemm.meta[MOMENTS_KEY]["value"], measured[gemm])))
+        for node, tensor in ((gemm, measured[gemm].grad), (x, measured[x].grad), (weight, measured[weight].grad)):
+            if tensor is not None and tensor.numel() > 1:
+                checked.append((f"{node.name} grad", _ratio(node.meta[MOMENTS_KEY]["grad"], tensor)))
+    assert len(checked) >= 8
+    outside = [(name, round(r, 2)) for name, r in checked if not 0.5 <= r <= 2.0]
+    assert not outside, outside
+
+
+def test_unknown_op_makes_predictions_unknown_not_an_error() -> None:
+    lin1, lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return lin2(torch.special.bessel_j0(lin1(x))).sum()
+
+    (gm, example), = capture(f, torch.randn(4, 8))
+    seed_inputs(gm, example)
+    run_stage(gm, autoscale.Config(), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+    by_op = {op_name(n): n.meta[MOMENTS_KEY] for n in gm.graph.nodes if n.op == "call_function"}
+    assert by_op["special_bessel_j0"]["value"] is None
+    assert by_op["linear"]["grad"] is not None  # lin2's input gradient is still known…
+    first = next(n for n in gm.graph.nodes if op_name(n) == "linear")
+    assert first.meta[MOMENTS_KEY]["grad"] is None  # …but not through the unknown op
+
+
+def test_dynamic_shapes_give_the_same_predictions() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    def total(t: torch.Tensor) -> torch.Tensor:
+        return model(t).sum()
+
+    (static, example), = capture(total, x)
+    seed_inputs(static, example)
+    run_stage(static, autoscale.Config(), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+    dynamic_x = x.clone()
+    torch._dynamo.mark_dynamic(dynamic_x, 0)
+    (gm, example), = capture(total, dynamic_x)
+    assert any(isinstance(s, torch.SymInt) for p in gm.graph.find_nodes(op="placeholder")
+               for s in getattr(p.meta.get("example_value"), "shape", ()))
+    seed_inputs(gm, example)
+    run_stage(gm, autoscale.Config(), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+
+    def stds(g: torch.fx.GraphModule) -> list[float]:
+        return [n.meta[MOMENTS_KEY]["grad"].std for n in g.graph.nodes if op_name(n) == "linear"]
+
+    assert stds(gm) == pytest.approx(stds(static), rel=1e-6)
+
+
+def test_underflow_rate_model() -> None:
+    assert predicted_underflow(Moments(0.0, 1.0, 3.0)) == pytest.approx(math.erf(2.0**-24 / math.sqrt(2)))
+    assert predicted_underflow(Moments(0.0, (2.0**-24) ** 2, 1e-7)) == pytest.approx(math.erf(1 / math.sqrt(2)))
+    assert predicted_underflow(Moments(0.0, 0.0, 0.0)) == 1.0
+
+
+def test_stress_model_predicts_underflow_in_the_first_layers() -> None:
+    """At scale 1 the analysis predicts what the stress test measures: the deep end underflows."""
+    from benchmarks.stress_underflow import stress_model
+
+    model, x, y = stress_model()
+    gm, _ = _analyzed(lambda: (model, (x,), y))
+    rates = [n.meta["autoscale_underflow"] for n in gm.graph.nodes
+             if n.op == "placeholder" and n.name.endswith("weight_")]
+    assert rates[0] > 0.5 and rates[-1] < 1e-3
