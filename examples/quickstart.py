@@ -4,8 +4,10 @@
 
 The compiled model runs its forward and backward in float16 where that is safe (GEMMs and the
 activations between them) and in float32 where it is not (the loss), with float32 master
-weights: the optimizer below is an ordinary float32 optimizer. On a CPU, float16 GEMMs are
-emulated (float16 storage and rounding, float32 arithmetic); on a GPU they run natively.
+weights: the optimizer below is an ordinary float32 optimizer. ``autoscale.GradScaler`` takes
+the place of ``torch.amp.GradScaler``: each layer's gradients get their own scale, with no loss
+scale to tune. On a CPU, float16 GEMMs are emulated (float16 storage and rounding, float32
+arithmetic); on a GPU they run natively.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import math
 import time
 
 import torch
@@ -34,7 +37,8 @@ def data(device: str) -> list[torch.Tensor]:
     return [t.to(device) for t in splits]
 
 
-def train(model: nn.Module, run: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+def train(model: nn.Module, run: nn.Module, x: torch.Tensor, y: torch.Tensor,
+          scaler: autoscale.GradScaler | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     for _ in range(EPOCHS):
@@ -42,8 +46,14 @@ def train(model: nn.Module, run: nn.Module, x: torch.Tensor, y: torch.Tensor) ->
         for i in range(0, len(x) - BATCH + 1, BATCH):  # full batches: one compiled shape
             idx = order[i:i + BATCH]
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(run(x[idx]), y[idx]).backward()
-            opt.step()
+            loss = F.cross_entropy(run(x[idx]), y[idx])
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:  # the torch.amp loop, unchanged
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
 
 
 @torch.no_grad()
@@ -69,11 +79,16 @@ def main() -> None:
 
     backend = autoscale.backend()  # the same as backend="autoscale", but keeps its reports
     compiled = torch.compile(model, backend=backend)
+    scaler = autoscale.GradScaler(compiled)  # instead of torch.amp.GradScaler()
     start = time.perf_counter()
-    train(model, compiled, x_train, y_train)
+    train(model, compiled, x_train, y_train, scaler)
     acc = accuracy(compiled, x_test, y_test)
-    print(f"autoscale : test accuracy {acc:.1f}%  ({time.perf_counter() - start:.1f} s, compiles included)")
+    print(f"autoscale : test accuracy {acc:.1f}%  ({time.perf_counter() - start:.1f} s, compiles included), "
+          f"{scaler.skipped_steps} steps skipped")
     print(f"parameters stay {next(model.parameters()).dtype}; training graph: {backend.reports[0]}")
+    for layer in scaler.layers():
+        print(f"  layer {layer.name:>6}: scale 2^{math.log2(layer.scale):g}, "
+              f"weight-gradient zeros {layer.zero_rate:.1e}, overflows {layer.overflows}")
 
 
 if __name__ == "__main__":

@@ -120,8 +120,12 @@ def analyze_underflow(gm: GraphModule, cfg: Config) -> PassResult:
 def _hint(size: Any) -> float:
     """A size as a number; symbolic sizes are sympy expressions evaluated with their hints."""
     if isinstance(size, torch.SymInt):
-        expr = size.node.expr
-        return float(expr.subs(size.node.shape_env.var_to_val) if isinstance(expr, sympy.Expr) else expr)
+        if size.node.hint is not None:
+            return float(size.node.hint)
+        env = size.node.shape_env
+        values = getattr(env, "backed_var_to_val", None) or env.var_to_val
+        expr: sympy.Expr = size.node.expr
+        return float(expr.subs(values))
     return float(size)
 
 
@@ -180,9 +184,10 @@ def _hermite(points: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
 def _expect(f: Callable[[torch.Tensor], torch.Tensor], m: Moments) -> tuple[float, float, float]:
     """E[f(X)], E[f(X)²] and E[f'(X)²] for X Gaussian with m's mean and spread."""
     z, w = _hermite()
-    x = (m.mean + m.std * z).requires_grad_(True)
-    y = f(x)
-    (dy,) = torch.autograd.grad(y.sum(), x)
+    with torch.enable_grad():  # compiles under torch.no_grad() (evaluation) too
+        x = (m.mean + m.std * z).requires_grad_(True)
+        y = f(x)
+        (dy,) = torch.autograd.grad(y.sum(), x)
     y = y.detach()
     return float((w * y).sum()), float((w * y * y).sum()), float((w * dy * dy).sum())
 

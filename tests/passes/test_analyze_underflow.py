@@ -131,3 +131,15 @@ def test_stress_model_predicts_underflow_in_the_first_layers() -> None:
     rates = [n.meta["autoscale_underflow"] for n in gm.graph.nodes
              if n.op == "placeholder" and n.name.endswith("weight_")]
     assert rates[0] > 0.5 and rates[-1] < 1e-3
+
+
+def test_analysis_runs_under_no_grad() -> None:
+    """An evaluation graph (compiled under torch.no_grad) is analysed too: values, no gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        (gm, example), = capture(model, torch.randn(4, 8))
+        seed_inputs(gm, example)
+        run_stage(gm, autoscale.Config(), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+    gelu = next(n for n in gm.graph.nodes if op_name(n) == "gelu")
+    assert gelu.meta[MOMENTS_KEY]["value"] is not None
