@@ -11,8 +11,7 @@ import torch._dynamo
 import torch.nn as nn
 
 import autoscale
-from autoscale.executors import inductor_keeps_roundings
-from tests.helpers import assert_matches_fp32, step, step_vs_fp32, twin
+from tests.helpers import assert_matches_fp32, keeps_roundings, step, step_vs_fp32, twin
 from tests.models import conv_case, mlp_case, transformer_case
 from tests.tolerances import SQNR_MIN_DB, SQNR_MIN_DB_SAME_GRAPH, sqnr
 
@@ -82,12 +81,6 @@ def test_graph_break_every_subgraph_converted_and_trains() -> None:
 
 def test_named_backend_is_discoverable() -> None:
     assert "autoscale" in torch._dynamo.list_backends()
-
-
-keeps_roundings = pytest.mark.skipif(
-    not inductor_keeps_roundings(),
-    reason=f"torch {torch.__version__}: Inductor's pointless_convert folds float32->float16->float32 round trips",
-)
 
 
 @keeps_roundings

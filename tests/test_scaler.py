@@ -16,7 +16,7 @@ import autoscale
 from autoscale import GradScaler, ScalingConfig
 from autoscale.ops import STAT
 from benchmarks.stress_underflow import best_global_scale, run, table
-from tests.helpers import Comparison, assert_matches_fp32, step
+from tests.helpers import Comparison, assert_matches_fp32, keeps_roundings, step
 from tests.models import mlp_case
 
 EAGER = autoscale.Config(executor="eager")
@@ -309,6 +309,7 @@ def test_stats_columns_are_documented() -> None:
     assert set(STAT) == {"nonfinite", "amax", "sum", "sumsq", "count", "zeros", "numel"}
 
 
+@keeps_roundings
 def test_inductor_per_layer_scaling_matches_eager_executor() -> None:
     """The default executor runs the rescale points: same scaled-and-unscaled gradients as eager."""
     results = []
