@@ -157,6 +157,8 @@ class GradScaler:
         elif self.config.mode == "dynamic":
             self._update_dynamic(overflow)
         elif self.config.mode == "adaptive":
+            if self._steps == 0:
+                self._check_instrumented()
             self._update_adaptive(overflow)
         self._steps += 1
         if self._telemetry is not None:
@@ -225,6 +227,14 @@ class GradScaler:
         if self._state is not None:
             flagged = flagged + self._state.stats[:, STAT["nonfinite"]].sum()
         return (flagged > 0).float()
+
+    def _check_instrumented(self) -> None:
+        """Warn, once, when the backward recorded nothing: the model is not compiled by autoscale."""
+        assert self._state is not None
+        if not float(self._state.stats[:, STAT["count"]].sum()):
+            log.warning("GradScaler: the backward recorded no per-layer statistics, so no layer was scaled; "
+                        "compile the model with torch.compile(model, backend='autoscale') and create the "
+                        "GradScaler before its first forward")
 
     def _update_dynamic(self, overflow: torch.Tensor) -> None:
         """torch.amp's rule (``_amp_update_scale_``) with hysteresis and a floor, on the device."""

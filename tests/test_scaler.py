@@ -37,6 +37,19 @@ def _train_steps(model: nn.Module, scaler: GradScaler, opt: torch.optim.Optimize
     return skipped
 
 
+def _assert_unscaled_step_matches_fp32(model: nn.Module, reference: nn.Module, scaler: GradScaler,
+                                       opt: torch.optim.Optimizer, compiled: nn.Module, backend: autoscale.Backend,
+                                       x: torch.Tensor, y: torch.Tensor) -> None:
+    """One scaled step, unscaled by the scaler: the gradients are float32's within the tolerances."""
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(compiled(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_loss, ref_grads = step(reference, None, (x,), y)
+    assert_matches_fp32(Comparison(backend, loss.detach(), grads, ref_loss, ref_grads))
+
+
 def test_stress_mlp_every_layer_below_gamma() -> None:
     """32 x Linear(64,64)+ReLU at default init: one global scale cannot keep the first layers out
     of float16's underflow range; per-layer scales keep every layer below 1e-3."""
@@ -59,13 +72,7 @@ def test_unscaled_gradients_match_fp32() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     _train_steps(model, scaler, opt, compiled, x, y, 3)  # scales move away from 1
     assert any(r.scale > 1 for r in scaler.layers())
-    opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(compiled(x), y)
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    ref_loss, ref_grads = step(reference, None, (x,), y)
-    assert_matches_fp32(Comparison(backend, loss.detach(), grads, ref_loss, ref_grads))
+    _assert_unscaled_step_matches_fp32(model, reference, scaler, opt, compiled, backend, x, y)
 
 
 class _Residual(nn.Module):
@@ -94,13 +101,7 @@ def test_residual_network_aligns_merges_trains_and_matches_fp32() -> None:
     _train_steps(model, scaler, opt, compiled, x, y, 3)
     counts = {r.name: r.counts for r in backend.records[0].passes}
     assert counts["insert_grad_scaling"]["aligned"] >= 3  # one merge per residual block
-    opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(compiled(x), y)
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    ref_loss, ref_grads = step(reference, None, (x,), y)
-    assert_matches_fp32(Comparison(backend, loss.detach(), grads, ref_loss, ref_grads))
+    _assert_unscaled_step_matches_fp32(model, reference, scaler, opt, compiled, backend, x, y)
     # and it trains
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = [F.cross_entropy(compiled(x), y).item()]
@@ -332,3 +333,13 @@ def test_stress_mlp_native_fp16_on_cuda() -> None:
     """The same claim with real float16 GEMMs (Inductor on CUDA), not emulation."""
     result = run("adaptive", steps=1, device="cuda")
     assert max(result["rates"]) <= 1e-3  # type: ignore[arg-type]
+
+
+def test_uncompiled_model_gets_a_clear_warning(caplog: pytest.LogCaptureFixture) -> None:
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with caplog.at_level("WARNING", logger="autoscale"):
+        _train_steps(model, scaler, opt, model, x, y, 2)  # eager model: no rescale points
+    assert [r.getMessage() for r in caplog.records if "no per-layer statistics" in r.getMessage()]
+    assert scaler.layers() == []
