@@ -19,7 +19,7 @@ from torch.fx import GraphModule
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport, precision_report
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
-from autoscale.passes.analyze_underflow import seed_inputs
+from autoscale.passes.analyze_underflow import calibrate, seed_inputs
 from autoscale.passes.graph_utils import dtype_name
 
 __all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend"]
@@ -74,6 +74,8 @@ class Backend:
 
         cfg = self.config.resolved(_device_of(example_inputs))
         seed_inputs(gm, example_inputs)
+        if cfg.scaling.calibrate:
+            calibrate(gm, example_inputs)
         passes = run_stage(gm, cfg, "dynamo", self.pipeline)
         _seed_scales(gm, example_inputs)
         report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)

@@ -37,8 +37,8 @@ class ScalingConfig:
     """Gradient-scaling settings (DESIGN.md §4).
 
     ``GradScaler`` reads the runtime settings (mode, rule, margin, update_every, the caps and the
-    dynamic-mode knobs); the backend reads the compile-time ones (``placement``, ``gamma``, and
-    ``margin`` for the initial scales) from ``Config.scaling``.
+    dynamic-mode knobs); the backend reads the compile-time ones (``placement``, ``gamma``,
+    ``calibrate``, and ``margin`` for the initial scales) from ``Config.scaling``.
 
     mode:       "adaptive" (per-layer scales in the backward graph, the default), "dynamic" (one
                 global loss scale with torch.amp.GradScaler semantics, plus ``hysteresis`` and
@@ -48,6 +48,8 @@ class ScalingConfig:
                 IJCAI 2020 rule, from the predicted underflow rate ``gamma`` of the layer's GEMM.
     placement:  adaptive only. "predicted" (scale points where the analysis predicts underflow
                 above ``gamma``) or "all" (at every backward GEMM and gradient cast into float16).
+    calibrate:  compile-time. Run the captured graph once in float32 on copies of the example
+                inputs and use the measured magnitudes instead of the analysis' predictions.
     update_every: recompute the adaptive scales every F steps (statistics accumulate in between).
     scale_upper_bound: optional cap on any one scale.
     init_scale, growth_factor, backoff_factor, growth_interval: torch.amp.GradScaler's, for
@@ -59,6 +61,7 @@ class ScalingConfig:
     placement: Literal["predicted", "all"] = "predicted"
     gamma: float = 1e-3
     margin: int = 6
+    calibrate: bool = False
     update_every: int = 1
     scale_upper_bound: float | None = None
     init_scale: float = 2.0**16

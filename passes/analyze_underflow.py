@@ -15,7 +15,10 @@ evaluated with the shape environment's hints. Results go to ``node.meta``:
 gradient is known, ``autoscale_underflow`` (rate) and ``autoscale_overflow`` (bool).
 
 Seeds: ``seed_inputs(gm, example_inputs)`` records the moments of real example tensors on the
-placeholders (the backend does it; the pass itself sees only fake tensors).
+placeholders (the backend does it; the pass itself sees only fake tensors). ``calibrate(gm,
+example_inputs)`` goes further: it runs the graph once in float32 on copies of the inputs and
+records every node's measured value and gradient moments, which the pass then uses instead of
+its predictions.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
+import torch.fx
 import torch.nn.functional as F
+import torch.utils._pytree
 from torch.fx import GraphModule, Node
 
 from .graph_utils import cast_of, op_name, tensor_val
@@ -37,11 +42,11 @@ from .manager import PassResult
 if TYPE_CHECKING:
     from autoscale.config import Config
 
-__all__ = ["Moments", "analyze_underflow", "predicted_underflow", "seed_inputs"]
+__all__ = ["Moments", "analyze_underflow", "calibrate", "predicted_underflow", "seed_inputs"]
 
 PASS = "analyze_underflow"
 U_MIN = 2.0**-24
-SEED_KEY, MOMENTS_KEY = "autoscale_seed", "autoscale_moments"
+SEED_KEY, MOMENTS_KEY, CALIBRATION_KEY = "autoscale_seed", "autoscale_moments", "autoscale_calibration"
 
 
 @dataclass(frozen=True)
@@ -86,12 +91,51 @@ def seed_inputs(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
             node.meta[SEED_KEY] = Moments.of(value)
 
 
+def calibrate(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Measure one float32 step of ``gm`` and record each node's value and gradient moments.
+
+    The inputs are copied, so the step changes nothing the caller owns (batch-norm statistics and
+    other in-place updates land in the copies). A scalar output is differentiated as the loss; a
+    tensor output gets the gradient ``_output_gradient`` assumes, as Gaussian noise.
+    """
+    inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+              for x in example_inputs]
+    values: dict[Node, torch.Tensor] = {}
+
+    class _Record(torch.fx.Interpreter):
+        def run_node(self, n: Node) -> Any:
+            result = super().run_node(n)
+            if isinstance(result, torch.Tensor) and result.dtype.is_floating_point:
+                if result.requires_grad and not result.is_leaf:
+                    result.retain_grad()
+                values[n] = result
+            return result
+
+    with torch.enable_grad():
+        outputs = [o for o in torch.utils._pytree.tree_leaves(_Record(gm).run(*inputs))
+                   if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not outputs:
+            return
+        seeds = []
+        for out in outputs:
+            if out.dim() == 0:
+                seeds.append(torch.ones_like(out))
+            else:
+                grad = _output_gradient_of_shape(tuple(out.shape))
+                seeds.append(torch.randn_like(out) * math.sqrt(grad.ms))
+        torch.autograd.backward(outputs, seeds)
+    for n, t in values.items():
+        grad = t.grad if t.grad is not None else None
+        n.meta[CALIBRATION_KEY] = {"value": Moments.of(t), "grad": Moments.of(grad) if grad is not None else None}
+
+
 def analyze_underflow(gm: GraphModule, cfg: Config) -> PassResult:
     """Annotate every node with predicted value and gradient moments (see the module docstring)."""
     nodes = list(gm.graph.nodes)
     value: dict[Node, Moments | None] = {}
     for n in nodes:
-        value[n] = n.meta.get(SEED_KEY) if n.op == "placeholder" else _forward(n, value)
+        measured = n.meta.get(CALIBRATION_KEY, {}).get("value")
+        value[n] = measured or (n.meta.get(SEED_KEY) if n.op == "placeholder" else _forward(n, value))
     grad: dict[Node, list[Moments | None]] = {}
     for out in gm.graph.find_nodes(op="output"):
         for arg in out.all_input_nodes:
@@ -102,6 +146,7 @@ def analyze_underflow(gm: GraphModule, cfg: Config) -> PassResult:
         parts = grad.get(n, [])
         # a tuple's elements are disjoint pieces (unbind, chunk): their gradients do not add up
         g = _average(parts) if isinstance(tensor_val(n), tuple | list) else _sum(parts)
+        g = n.meta.get(CALIBRATION_KEY, {}).get("grad") or g
         n.meta[MOMENTS_KEY] = {"value": value.get(n), "grad": g}
         if g is None:
             continue
@@ -363,10 +408,13 @@ _FORWARD: dict[str, Callable[[Node, dict[Node, Moments | None]], Moments | None]
 def _output_gradient(out: Node, value: dict[Node, Moments | None]) -> Moments | None:
     """The gradient arriving at a graph output: 1 for a scalar loss; for a tensor, the gradient of
     a mean-reduced cross-entropy over its last dimension, (softmax - onehot) / batch."""
-    shape = _shape(out)
+    return _output_gradient_of_shape(_shape(out))
+
+
+def _output_gradient_of_shape(shape: tuple[float, ...]) -> Moments:
     if not shape:
         return Moments(1.0, 1.0, 1.0)
-    classes, batch = shape[-1], _numel(out) / shape[-1]
+    classes, batch = shape[-1], math.prod(shape) / shape[-1]
     ms = (1.0 - 1.0 / classes) / classes / batch**2
     return Moments(0.0, ms, 1.0 / batch)
 

@@ -343,3 +343,16 @@ def test_uncompiled_model_gets_a_clear_warning(caplog: pytest.LogCaptureFixture)
         _train_steps(model, scaler, opt, model, x, y, 2)  # eager model: no rescale points
     assert [r.getMessage() for r in caplog.records if "no per-layer statistics" in r.getMessage()]
     assert scaler.layers() == []
+
+
+def test_calibrated_compile_scales_the_stress_model_from_the_first_step() -> None:
+    from benchmarks.stress_underflow import stress_model, underflow_rates
+
+    model, x, y = stress_model()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    scaler = GradScaler(model)
+    config = autoscale.Config(executor="eager", scaling=ScalingConfig(calibrate=True))
+    compiled = torch.compile(model, backend=autoscale.backend(config))
+    scaler.scale(F.cross_entropy(compiled(x), y)).backward()
+    assert max(underflow_rates(model, reference)) <= 1e-3

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import autoscale
 from autoscale.passes import PassSpec, analyze_underflow, run_stage
-from autoscale.passes.analyze_underflow import MOMENTS_KEY, Moments, predicted_underflow, seed_inputs
+from autoscale.passes.analyze_underflow import MOMENTS_KEY, Moments, calibrate, predicted_underflow, seed_inputs
 from autoscale.passes.graph_utils import op_name
 from tests.helpers import capture
 from tests.models import conv_case, mlp_case, transformer_case
@@ -143,3 +143,24 @@ def test_analysis_runs_under_no_grad() -> None:
         run_stage(gm, autoscale.Config(), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
     gelu = next(n for n in gm.graph.nodes if op_name(n) == "gelu")
     assert gelu.meta[MOMENTS_KEY]["value"] is not None
+
+
+def test_calibration_replaces_predictions_with_one_measured_fp32_step() -> None:
+    """With calibration the moments are the measured ones, exactly, and the step touched nothing:
+    the ConvNet's batch-norm running statistics are unchanged."""
+    model, inputs, targets = conv_case()
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), targets)
+
+    (gm, example), = capture(loss, *inputs)  # (runs the forward once: running stats move here)
+    running = model.bn.running_mean.clone()
+    seed_inputs(gm, example)
+    calibrate(gm, example)
+    assert torch.equal(model.bn.running_mean, running)
+    run_stage(gm, autoscale.Config(), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+    measured = _measure(gm, [x.detach().clone().requires_grad_(x.requires_grad) for x in example])
+    for gemm in (n for n in gm.graph.nodes if op_name(n) == "conv2d"):
+        predicted = gemm.meta[MOMENTS_KEY]
+        assert predicted["value"].std == pytest.approx(float(measured[gemm].double().std()), rel=1e-3)
+        assert predicted["grad"].std == pytest.approx(float(measured[gemm].grad.double().std()), rel=1e-3)
