@@ -121,12 +121,11 @@ def calibrate(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
             if out.dim() == 0:
                 seeds.append(torch.ones_like(out))
             else:
-                grad = _output_gradient_of_shape(tuple(out.shape))
-                seeds.append(torch.randn_like(out) * math.sqrt(grad.ms))
+                expected = _output_gradient_of_shape(tuple(out.shape))
+                seeds.append(torch.randn_like(out) * math.sqrt(expected.ms))
         torch.autograd.backward(outputs, seeds)
     for n, t in values.items():
-        grad = t.grad if t.grad is not None else None
-        n.meta[CALIBRATION_KEY] = {"value": Moments.of(t), "grad": Moments.of(grad) if grad is not None else None}
+        n.meta[CALIBRATION_KEY] = {"value": Moments.of(t), "grad": Moments.of(t.grad) if t.grad is not None else None}
 
 
 def analyze_underflow(gm: GraphModule, cfg: Config) -> PassResult:
