@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["STAT", "NUM_STATS", "attach", "gradient_stats", "rescale"]
+__all__ = ["FP16_MAX", "NUM_STATS", "STAT", "attach", "gradient_stats", "headroom", "rescale"]
+
+FP16_MAX = 65504.0
+
+
+def headroom(margin: int) -> float:
+    """The largest gradient magnitude a scale may aim for: float16's max, ``2**margin`` below."""
+    return FP16_MAX / 2.0**margin
 
 # Columns of the stats tensor (one row per layer).
 STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5, "numel": 6}

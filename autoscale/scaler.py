@@ -32,14 +32,13 @@ import torch
 from torch import nn
 
 from autoscale.config import Config, ScalingConfig
-from autoscale.ops import STAT
+from autoscale.ops import FP16_MAX, STAT, headroom
 from autoscale.runtime import LOSS_ROW, ScaleState, install_state, unwrap
 
 __all__ = ["GradScaler", "LayerReport"]
 
 log = logging.getLogger("autoscale")
 
-FP16_MAX = 65504.0
 FP16_MIN_SUBNORMAL = 2.0**-24
 _SCALE_RANGE = (2.0**-24, 2.0**40)
 
@@ -276,9 +275,8 @@ class GradScaler:
 
     def _rule(self, stats: torch.Tensor) -> torch.Tensor:
         """The power-of-two scale each row's statistics call for."""
-        headroom = FP16_MAX / 2.0**self.config.margin
         amax = stats[:, STAT["amax"]].clamp_min(torch.finfo(torch.float32).tiny)
-        target = headroom / amax
+        target = headroom(self.config.margin) / amax
         if self.config.rule == "paper":
             target = torch.minimum(target, self._paper_scales(stats)).clamp_min(1.0)
         return torch.exp2(torch.floor(torch.log2(target)))

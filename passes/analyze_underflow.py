@@ -13,6 +13,7 @@ unknown, never a crash. Reduction lengths are sympy expressions (symbolic under 
 evaluated with the shape environment's hints. Results go to ``node.meta``:
 ``autoscale_moments`` = {"value": Moments | None, "grad": Moments | None}, and, where the
 gradient is known, ``autoscale_underflow`` (rate) and ``autoscale_overflow`` (bool).
+Predictions assume float16, the dtype gradient scaling exists for.
 
 Seeds: ``seed_inputs(gm, example_inputs)`` records the moments of real example tensors on the
 placeholders (the backend does it; the pass itself sees only fake tensors). ``calibrate(gm,
@@ -35,6 +36,8 @@ import torch.fx
 import torch.nn.functional as F
 import torch.utils._pytree
 from torch.fx import GraphModule, Node
+
+from autoscale.ops import headroom
 
 from .graph_utils import cast_of, op_name, tensor_val
 from .manager import PassResult
@@ -140,7 +143,7 @@ def analyze_underflow(gm: GraphModule, cfg: Config) -> PassResult:
         for arg in out.all_input_nodes:
             grad.setdefault(arg, []).append(_output_gradient(arg, value))
     known = 0
-    headroom = 65504.0 / 2.0**cfg.scaling.margin
+    limit = headroom(cfg.scaling.margin)
     for n in reversed(nodes):
         parts = grad.get(n, [])
         # a tuple's elements are disjoint pieces (unbind, chunk): their gradients do not add up
@@ -151,7 +154,7 @@ def analyze_underflow(gm: GraphModule, cfg: Config) -> PassResult:
             continue
         known += 1
         n.meta["autoscale_underflow"] = predicted_underflow(g)
-        n.meta["autoscale_overflow"] = g.amax > headroom
+        n.meta["autoscale_overflow"] = g.amax > limit
         if n.op in ("call_function", "call_method"):
             for arg, ga in _backward(n, g, value).items():
                 grad.setdefault(arg, []).append(ga)

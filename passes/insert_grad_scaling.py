@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autoscale.ops import rescale
+from autoscale.ops import headroom, rescale
 from autoscale.runtime import LAYOUT_SEP, LOSS_ROW
 
 from .analyze_underflow import MOMENTS_KEY
@@ -66,14 +66,13 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     scales, stats, layout = attach.args
     layers = str(layout).split(LAYOUT_SEP)
     state = _State(graph, scales, stats, layers, prefix=layer_of(attach))
-
-    points = scale_points(graph, cfg)
+    state.requires = _requires_grad_map(graph)
+    points = scale_points(graph, cfg, state.requires)
     if cfg.scaling.placement == "predicted":
         points = [p for p in points if p.underflow > cfg.scaling.gamma]
     gm.meta["autoscale_scales_input"] = list(graph.find_nodes(op="placeholder")).index(scales)
-    gm.meta["autoscale_initial_scales"] = _initial_scales(points, state, 65504.0 / 2.0**cfg.scaling.margin)
+    gm.meta["autoscale_initial_scales"] = _initial_scales(points, state, headroom(cfg.scaling.margin))
     graph.erase_node(attach)
-    state.requires = _requires_grad_map(graph)
     for point in points:
         state.scale_point(point.node, point.reason)
     aligned = state.carry()
@@ -103,7 +102,7 @@ def _initial_scales(points: list[ScalePoint], state: _State, headroom: float) ->
     return {row: 2.0 ** math.floor(math.log2(headroom / a)) for row, a in amax.items()}
 
 
-def scale_points(graph: Graph, cfg: Config) -> list[ScalePoint]:
+def scale_points(graph: Graph, cfg: Config, requires: dict[Node, bool] | None = None) -> list[ScalePoint]:
     """Candidate scale points, with the analysis' predictions (rate 1 where it has none).
 
     The low-precision output of an allow-list op (after ``emulate_compute``, the cast that rounds
@@ -112,7 +111,7 @@ def scale_points(graph: Graph, cfg: Config) -> list[ScalePoint]:
     backward rounds into low precision.
     """
     low = cfg.dtype
-    requires = _requires_grad_map(graph)
+    requires = requires if requires is not None else _requires_grad_map(graph)
     points = []
     for n in graph.nodes:
         if not requires[n] or n.op not in ("call_function", "call_method"):
