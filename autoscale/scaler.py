@@ -109,16 +109,20 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        inv = self._loss_scale.double().reciprocal().float()
-        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault((g.device, g.dtype), []).append(g)
-        for (device, _), group in by_device.items():
-            found = torch.zeros((), device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv.to(device))
-            self._found_inf += found.to(self._found_inf.device)
+        self._check_grads(optimizer, self._loss_scale.double().reciprocal().float())
         self._stages[id(optimizer)] = _Stage.UNSCALED
+
+    def _check_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor) -> None:
+        """Multiply the gradients by ``inv_scale`` and note any inf/nan, on the device."""
+        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), grads in by_device.items():
+            found = torch.zeros((), device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+            self._found_inf += found.to(self._found_inf.device)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` unless this step overflowed; returns its result, or None if skipped."""
@@ -130,6 +134,8 @@ class GradScaler:
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # torch.amp's fused protocol: the optimizer unscales and skips on device, no sync.
             opt: Any = optimizer
+            if stage is _Stage.READY:  # look for inf/nan without unscaling: the optimizer unscales
+                self._check_grads(optimizer, torch.ones((), device=self._loss_scale.device))
             opt.grad_scale = None if stage is _Stage.UNSCALED else self._loss_scale
             opt.found_inf = self._overflowed()
             try:

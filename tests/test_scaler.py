@@ -356,3 +356,17 @@ def test_calibrated_compile_scales_the_stress_model_from_the_first_step() -> Non
     compiled = torch.compile(model, backend=autoscale.backend(config))
     scaler.scale(F.cross_entropy(compiled(x), y)).backward()
     assert max(underflow_rates(model, reference)) <= 1e-3
+
+
+def test_fused_optimizer_skips_an_inf_gradient_in_dynamic_mode() -> None:
+    """No rescale points in dynamic mode: the gradients themselves are checked, as torch.amp does."""
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model, ScalingConfig(mode="dynamic", init_scale=1024.0))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    _inject_grads_inf(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert scaler.skipped_steps == 1 and scaler.get_scale() == 512.0
