@@ -1,8 +1,16 @@
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
-import torch._dynamo
+
+# Without a GPU, Triton kernels run in its interpreter (on CPU tensors). This must be set before
+# anything imports triton (Dynamo and Inductor do); `import torch` does not.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch._dynamo  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,1 @@
+"""Fused kernels. Importing this package imports triton: ``import autoscale`` never does."""

@@ -1,0 +1,96 @@
+"""The fused scale kernel: one read of a gradient, the rescaled low-precision copy, its statistics.
+
+For a gradient ``g``, a scale ``factor`` and the scale ``carried`` the gradient arrived with, one
+pass computes
+
+    out = g·factor in g's dtype, with values it made non-finite set to 0
+    fstats = [max |g|/carried, Σ g/carried, Σ (g/carried)²]        over g's finite values (float32)
+    counts = [arrived non-finite, elements, zeros in g, made non-finite, underflowed]   (int64)
+
+where *underflowed* counts elements that were non-zero and finite in g and became exactly zero in
+``out`` (a scale below 1, or a narrower output dtype, pushed them under the smallest subnormal).
+
+``scale_grad_reference`` is the pure-torch version: the CPU path and the test oracle. The Triton
+kernel must match it exactly for ``out`` and ``counts`` and to float32 rounding for the sums (it
+adds per-block partial sums atomically, in another order).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["BLOCK", "scale_grad_reference", "scale_grad_triton"]
+
+BLOCK = 1024
+COUNTS = ("arrived_nonfinite", "elements", "zeros", "made_nonfinite", "underflowed")
+
+
+def scale_grad_reference(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, fstats, counts)`` as the module docstring defines them, in plain torch."""
+    g = grad.float()
+    finite = torch.isfinite(g)
+    safe = torch.where(finite, g, 0.0) / carried.float()
+    scaled = (g * factor.float()).to(grad.dtype)
+    made = torch.isfinite(scaled)
+    out = torch.where(made, scaled, torch.zeros((), dtype=grad.dtype, device=grad.device))
+    empty = g.numel() == 0
+    fstats = torch.stack([
+        safe.abs().amax() if not empty else torch.zeros((), device=g.device),
+        safe.sum(),
+        (safe * safe).sum(),
+    ]).float()
+    counts = torch.stack([
+        (~finite).sum(),
+        torch.tensor(g.numel(), device=g.device),
+        (g == 0).sum(),
+        (finite & ~made).sum(),
+        (finite & (g != 0) & (out == 0)).sum(),
+    ]).to(torch.int64)
+    return out, fstats, counts
+
+
+@triton.jit
+def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carried_ptr, n,
+                       BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n
+    raw = tl.load(g_ptr + offsets, mask=mask, other=0.0)
+    g = raw.to(tl.float32)
+    factor = tl.load(factor_ptr).to(tl.float32)
+    carried = tl.load(carried_ptr).to(tl.float32)
+
+    finite = (g == g) & (tl.abs(g) != float("inf"))
+    safe = tl.where(finite & mask, g, 0.0) / carried
+    scaled = (g * factor).to(raw.dtype)
+    scaled_f = scaled.to(tl.float32)
+    made = (scaled_f == scaled_f) & (tl.abs(scaled_f) != float("inf"))
+    out = tl.where(made, scaled, 0.0).to(raw.dtype)
+    tl.store(out_ptr + offsets, out, mask=mask)
+
+    tl.atomic_max(fstats_ptr + 0, tl.max(tl.abs(safe), axis=0))
+    tl.atomic_add(fstats_ptr + 1, tl.sum(safe, axis=0))
+    tl.atomic_add(fstats_ptr + 2, tl.sum(safe * safe, axis=0))
+    tl.atomic_add(counts_ptr + 0, tl.sum((mask & ~finite).to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 1, tl.sum(mask.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 2, tl.sum((mask & (g == 0)).to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 3, tl.sum((mask & finite & ~made).to(tl.int64), axis=0))
+    underflowed = mask & finite & (g != 0) & (out.to(tl.float32) == 0)
+    tl.atomic_add(counts_ptr + 4, tl.sum(underflowed.to(tl.int64), axis=0))
+
+
+def scale_grad_triton(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same as ``scale_grad_reference``, in one Triton kernel launch."""
+    g = grad.contiguous()
+    out = torch.empty_like(g)
+    fstats = torch.zeros(3, dtype=torch.float32, device=g.device)
+    counts = torch.zeros(len(COUNTS), dtype=torch.int64, device=g.device)
+    n = g.numel()
+    if n:
+        grid = (triton.cdiv(n, BLOCK),)
+        _scale_grad_kernel[grid](g, out, fstats, counts, factor.reshape(1).float(), carried.reshape(1).float(),
+                                 n, BLOCK_SIZE=BLOCK)
+    return out.view_as(grad), fstats, counts

@@ -1,0 +1,66 @@
+"""The fused scale kernel against its pure-torch reference: natively on a GPU, and in the Triton
+interpreter on CPU (conftest.py sets TRITON_INTERPRET=1 when there is no GPU).
+
+Outputs and counts must match exactly; the sums to float32 rounding (the kernel adds per-block
+partial sums atomically, in another order).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoscale.kernels.scale_grad import BLOCK, scale_grad_reference, scale_grad_triton
+
+SPECIAL = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 6.1e-5, 65504.0, -65504.0, 65519.0, 1e-3,
+           float("inf"), float("-inf"), float("nan")]
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _check(grad: torch.Tensor, factor: float, carried: float) -> None:
+    f, c = torch.tensor(factor, device=grad.device), torch.tensor(carried, device=grad.device)
+    out, fstats, counts = scale_grad_triton(grad, f, c)
+    ref_out, ref_fstats, ref_counts = scale_grad_reference(grad, f, c)
+    assert out.dtype == grad.dtype and out.shape == grad.shape
+    assert torch.equal(out, ref_out)
+    assert torch.equal(counts.cpu(), ref_counts.cpu())
+    assert fstats[0].item() == ref_fstats[0].item()  # a max: exact
+    torch.testing.assert_close(fstats.cpu(), ref_fstats.cpu(), rtol=1e-5, atol=1e-30)
+
+
+values = st.one_of(st.floats(width=16, allow_nan=True, allow_infinity=True), st.sampled_from(SPECIAL))
+sizes = st.one_of(st.sampled_from([0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5]), st.integers(0, 2500))
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=sizes, data=st.data(), dtype=st.sampled_from([torch.float16, torch.float32]),
+       factor=st.sampled_from([1.0, 2.0**10, 2.0**-10, 2.0**24, 2.0**-20]),
+       carried=st.sampled_from([1.0, 2.0**15, 2.0**-3]))
+def test_kernel_matches_reference(size: int, data: st.DataObject, dtype: torch.dtype, factor: float,
+                                  carried: float) -> None:
+    fill = data.draw(st.lists(values, min_size=min(size, 64), max_size=min(size, 64)))
+    base = torch.tensor(fill or [0.0], dtype=torch.float32)
+    grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
+    _check(grad.to(DEVICE), factor, carried)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_special_cases(dtype: torch.dtype) -> None:
+    _check(torch.zeros(BLOCK + 3, dtype=dtype, device=DEVICE), 2.0**8, 1.0)          # all zeros
+    _check(torch.tensor([2.0**-24], dtype=dtype, device=DEVICE), 2.0**-1, 1.0)       # subnormal underflows
+    _check(torch.tensor([60000.0, -60000.0], dtype=dtype, device=DEVICE), 2.0, 1.0)  # fp16 overflow made
+    _check(torch.tensor([float("inf"), float("nan"), 1.0], dtype=dtype, device=DEVICE), 1.0, 4.0)
+    _check(torch.empty(0, dtype=dtype, device=DEVICE), 2.0, 1.0)
+
+
+def test_counts_mean_what_they_say() -> None:
+    g = torch.tensor([0.0, 2.0**-24, 1.0, 40000.0, float("inf")], dtype=torch.float16)
+    out, _, counts = scale_grad_reference(g, torch.tensor(2.0**-1), torch.tensor(1.0))
+    arrived, elements, zeros, made, underflowed = counts.tolist()
+    assert (arrived, elements, zeros, made, underflowed) == (1, 5, 1, 0, 1)
+    out, _, counts = scale_grad_reference(g, torch.tensor(2.0), torch.tensor(1.0))
+    assert counts[3].item() == 1 and out[3].item() == 0.0  # 80000 overflows float16: zeroed
