@@ -14,8 +14,9 @@ layer's scale point (row 0 is the loss scale). A scale point is ``out_rows=(r,)`
 ``out_rows=(0,)``.
 
 Statistics are normalized by the scale the gradient arrived with, so the update rule sees
-magnitudes at unit scale and needs no knowledge of the graph. The pure-torch formulas here are
-both the CPU path and the oracle for the fused kernels.
+magnitudes at unit scale and needs no knowledge of the graph. ``scale_grad_reference`` is the
+one-pass computation in plain torch: the CPU path and the oracle for the fused Triton kernel
+used on CUDA.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FP16_MAX", "NUM_STATS", "STAT", "attach", "gradient_stats", "headroom", "rescale"]
+__all__ = ["COUNTS", "FP16_MAX", "NUM_STATS", "STAT", "attach", "headroom", "rescale", "scale_grad_reference"]
 
 FP16_MAX = 65504.0
 
@@ -65,26 +66,48 @@ def _(stats: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
     return None
 
 
-def gradient_stats(grad: torch.Tensor, carried: torch.Tensor, *, weight_grad: bool) -> torch.Tensor:
-    """The statistics of one gradient's finite values, as a float32 vector laid out by ``STAT``.
+COUNTS = ("arrived_nonfinite", "elements", "zeros", "made_nonfinite", "underflowed")
 
-    ``carried`` is the scale the gradient carries; magnitudes are divided by it. ``zeros`` and
-    ``numel`` are counted for weight gradients only (the layer's underflow measure).
+
+def scale_grad_reference(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One gradient through a rescale point, in plain torch: ``(out, fstats, counts)``.
+
+    ``out`` is ``grad·factor`` in grad's dtype with the values this made non-finite set to 0;
+    ``fstats`` = [max |g|/carried, Σ g/carried, Σ (g/carried)²] over grad's finite values;
+    ``counts`` (int64) as named by ``COUNTS``: arrived non-finite, elements, zeros in grad, made
+    non-finite, and underflowed (finite non-zero values that ``out`` rounds to zero). The CPU path,
+    which Inductor fuses with its neighbours, and the oracle of the Triton kernel
+    (``autoscale.kernels.scale_grad``).
     """
-    g = grad.detach().float()
+    g = grad.float()
     finite = torch.isfinite(g)
-    safe = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device)) / carried
-    n = torch.tensor(float(g.numel()), device=g.device)
+    safe = torch.where(finite, g, 0.0) / carried.float()
+    scaled = (g * factor.float()).to(grad.dtype)
+    made = torch.isfinite(scaled)
+    out = torch.where(made, scaled, torch.zeros((), dtype=grad.dtype, device=grad.device))
     zero = torch.zeros((), device=g.device)
-    return torch.stack([
-        zero,  # non-finite values are counted where they are blamed (see _Rescale.backward)
-        safe.abs().amax() if g.numel() else zero,
-        safe.sum(),
-        (safe * safe).sum(),
-        n,
-        (g == 0).sum().float() if weight_grad else zero,
-        n if weight_grad else zero,
-    ])
+    fstats = torch.stack([safe.abs().amax() if g.numel() else zero, safe.sum(), (safe * safe).sum()]).float()
+    counts = torch.stack([
+        (~finite).sum(),
+        torch.tensor(g.numel(), device=g.device),
+        (g == 0).sum(),
+        (finite & ~made).sum(),
+        (finite & (g != 0) & (out == 0)).sum(),
+    ]).to(torch.int64)
+    return out, fstats, counts
+
+
+def _scale_grad(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused Triton op on CUDA (imported on first use: ``import autoscale`` stays triton-free),
+    the reference elsewhere."""
+    if grad.device.type == "cuda":
+        import autoscale.kernels.scale_grad  # noqa: F401  (registers autoscale::scale_grad)
+
+        out, fstats, counts = torch.ops.autoscale.scale_grad(grad, factor, carried)
+        return out, fstats, counts
+    return scale_grad_reference(grad, factor, carried)
 
 
 def _max_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
@@ -108,19 +131,19 @@ class _Rescale(torch.autograd.Function):
         (scales,) = ctx.saved_tensors
         out_rows, in_rows, record_rows, weight_grad = ctx.rows
         carried = _max_of(scales, in_rows)
-        factor = _max_of(scales, out_rows) / carried
-        out = (grad.float() * factor).to(grad.dtype)
+        out, fstats, counts = _scale_grad(grad, _max_of(scales, out_rows) / carried, carried)
         if record_rows:
-            torch.ops.autoscale.accumulate_stats_(ctx.stats, list(record_rows),
-                                                  gradient_stats(grad, carried, weight_grad=weight_grad))
+            elements = counts[1].float()
+            zero = torch.zeros((), device=grad.device)
+            values = torch.stack([zero, fstats[0], fstats[1], fstats[2], elements,
+                                  counts[2].float() if weight_grad else zero, elements if weight_grad else zero])
+            torch.ops.autoscale.accumulate_stats_(ctx.stats, list(record_rows), values)
         # Blame the scale that produced a non-finite value: one that arrived non-finite was made
-        # under ``in_rows``; one this point made non-finite, by ``out_rows``. Then zero it, so that
-        # the rest of the backward does not blame every layer below (the step is skipped anyway).
-        arrived = torch.isfinite(grad)
-        made = torch.isfinite(out)
-        _blame(ctx.stats, in_rows, (~arrived).sum())
-        _blame(ctx.stats, out_rows, (arrived & ~made).sum())
-        out = torch.where(made, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        # under ``in_rows``; one this point made non-finite, by ``out_rows`` (``out`` has them
+        # zeroed, so the rest of the backward does not blame every layer below; the step is
+        # skipped anyway).
+        _blame(ctx.stats, in_rows, counts[0])
+        _blame(ctx.stats, out_rows, counts[3])
         return out, None, None, None, None, None, None
 
 

@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoscale.kernels.scale_grad import BLOCK, scale_grad_reference, scale_grad_triton
+from autoscale.kernels.scale_grad import BLOCK, scale_grad_triton
+from autoscale.ops import scale_grad_reference
 
 SPECIAL = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 6.1e-5, 65504.0, -65504.0, 65519.0, 1e-3,
            float("inf"), float("-inf"), float("nan")]
@@ -64,3 +65,16 @@ def test_counts_mean_what_they_say() -> None:
     assert (arrived, elements, zeros, made, underflowed) == (1, 5, 1, 0, 1)
     out, _, counts = scale_grad_reference(g, torch.tensor(2.0), torch.tensor(1.0))
     assert counts[3].item() == 1 and out[3].item() == 0.0  # 80000 overflows float16: zeroed
+
+
+def test_op_has_fake_impl_and_reference_cpu_path() -> None:
+    """``autoscale::scale_grad`` traces under fake tensors and runs the reference on CPU."""
+    g = torch.tensor([1.0, 0.0, 2.0**-24], dtype=torch.float16)
+    f, c = torch.tensor(0.5), torch.tensor(1.0)
+    out, fstats, counts = torch.ops.autoscale.scale_grad(g, f, c)
+    ref = scale_grad_reference(g, f, c)
+    assert torch.equal(out, ref[0]) and torch.equal(counts, ref[2])
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake_out, fake_fstats, fake_counts = torch.ops.autoscale.scale_grad(
+            mode.from_tensor(g), mode.from_tensor(f), mode.from_tensor(c))
+    assert fake_out.shape == g.shape and fake_counts.dtype == torch.int64 and fake_fstats.shape == (3,)

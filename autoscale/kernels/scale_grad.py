@@ -10,9 +10,11 @@ pass computes
 where *underflowed* counts elements that were non-zero and finite in g and became exactly zero in
 ``out`` (a scale below 1, or a narrower output dtype, pushed them under the smallest subnormal).
 
-``scale_grad_reference`` is the pure-torch version: the CPU path and the test oracle. The Triton
-kernel must match it exactly for ``out`` and ``counts`` and to float32 rounding for the sums (it
-adds per-block partial sums atomically, in another order).
+``autoscale.ops.scale_grad_reference`` is the pure-torch version: the CPU path and the test
+oracle. The Triton kernel must match it exactly for ``out`` and ``counts`` and to float32 rounding
+for the sums (it adds per-block partial sums atomically, in another order). ``autoscale::scale_grad``
+(a ``torch.library.triton_op``) launches the kernel on CUDA through ``wrap_triton``, so Dynamo,
+AOTAutograd and Inductor see the kernel itself, not an opaque call.
 """
 
 from __future__ import annotations
@@ -20,36 +22,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
-__all__ = ["BLOCK", "scale_grad_reference", "scale_grad_triton"]
+from autoscale.ops import COUNTS, scale_grad_reference
+
+__all__ = ["BLOCK", "scale_grad", "scale_grad_reference", "scale_grad_triton"]
 
 BLOCK = 1024
-COUNTS = ("arrived_nonfinite", "elements", "zeros", "made_nonfinite", "underflowed")
-
-
-def scale_grad_reference(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, fstats, counts)`` as the module docstring defines them, in plain torch."""
-    g = grad.float()
-    finite = torch.isfinite(g)
-    safe = torch.where(finite, g, 0.0) / carried.float()
-    scaled = (g * factor.float()).to(grad.dtype)
-    made = torch.isfinite(scaled)
-    out = torch.where(made, scaled, torch.zeros((), dtype=grad.dtype, device=grad.device))
-    empty = g.numel() == 0
-    fstats = torch.stack([
-        safe.abs().amax() if not empty else torch.zeros((), device=g.device),
-        safe.sum(),
-        (safe * safe).sum(),
-    ]).float()
-    counts = torch.stack([
-        (~finite).sum(),
-        torch.tensor(g.numel(), device=g.device),
-        (g == 0).sum(),
-        (finite & ~made).sum(),
-        (finite & (g != 0) & (out == 0)).sum(),
-    ]).to(torch.int64)
-    return out, fstats, counts
 
 
 @triton.jit
@@ -81,9 +60,8 @@ def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carri
     tl.atomic_add(counts_ptr + 4, tl.sum(underflowed.to(tl.int64), axis=0))
 
 
-def scale_grad_triton(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same as ``scale_grad_reference``, in one Triton kernel launch."""
+def _launch(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, kernel: object
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = grad.contiguous()
     out = torch.empty_like(g)
     fstats = torch.zeros(3, dtype=torch.float32, device=g.device)
@@ -91,6 +69,21 @@ def scale_grad_triton(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
     n = g.numel()
     if n:
         grid = (triton.cdiv(n, BLOCK),)
-        _scale_grad_kernel[grid](g, out, fstats, counts, factor.reshape(1).float(), carried.reshape(1).float(),
-                                 n, BLOCK_SIZE=BLOCK)
+        kernel[grid](g, out, fstats, counts, factor.reshape(1).float(), carried.reshape(1).float(),  # type: ignore[index]
+                     n, BLOCK_SIZE=BLOCK)
     return out.view_as(grad), fstats, counts
+
+
+def scale_grad_triton(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same as ``scale_grad_reference``, in one direct Triton launch (any device Triton runs on)."""
+    return _launch(grad, factor, carried, _scale_grad_kernel)
+
+
+@triton_op("autoscale::scale_grad", mutates_args=())
+def scale_grad(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused op: the Triton kernel on CUDA, the reference elsewhere."""
+    if grad.device.type == "cuda":
+        return _launch(grad, factor, carried, wrap_triton(_scale_grad_kernel))
+    return scale_grad_reference(grad, factor, carried)
