@@ -56,6 +56,8 @@ def test_special_cases(dtype: torch.dtype) -> None:
     _check(torch.tensor([60000.0, -60000.0], dtype=dtype, device=DEVICE), 2.0, 1.0)  # fp16 overflow made
     _check(torch.tensor([float("inf"), float("nan"), 1.0], dtype=dtype, device=DEVICE), 1.0, 4.0)
     _check(torch.empty(0, dtype=dtype, device=DEVICE), 2.0, 1.0)
+    # more blocks than programs: each program strides over several (the persistent loop)
+    _check((torch.randn(9 * BLOCK + 7) * 1e-6).to(dtype).to(DEVICE), 2.0**-4, 2.0**3)
 
 
 def test_counts_mean_what_they_say() -> None:
