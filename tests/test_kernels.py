@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autoscale.kernels.scale_grad import BLOCK, scale_grad_triton
@@ -30,14 +30,20 @@ def _check(grad: torch.Tensor, factor: float, carried: float) -> None:
     assert torch.equal(out, ref_out)
     assert torch.equal(counts.cpu(), ref_counts.cpu())
     assert fstats[0].item() == ref_fstats[0].item()  # a max: exact
-    torch.testing.assert_close(fstats.cpu(), ref_fstats.cpu(), rtol=1e-5, atol=1e-30)
+    # Sums agree to float32 rounding: a float32 sum of n terms in any order is within
+    # n·2⁻²³·Σ|term| of the exact one (the kernel adds per-program partial sums, in another order).
+    g = grad.double().cpu()
+    safe = torch.where(torch.isfinite(g), g, 0.0) / carried
+    for i, terms in ((1, safe.abs()), (2, safe * safe)):
+        bound = 2 * g.numel() * 2.0**-23 * float(terms.sum())
+        assert abs(fstats[i].item() - ref_fstats[i].item()) <= bound, (i, fstats, ref_fstats)
 
 
 values = st.one_of(st.floats(width=16, allow_nan=True, allow_infinity=True), st.sampled_from(SPECIAL))
 sizes = st.one_of(st.sampled_from([0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5]), st.integers(0, 2500))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # GPU: first call JITs
 @given(size=sizes, data=st.data(), dtype=st.sampled_from([torch.float16, torch.float32]),
        factor=st.sampled_from([1.0, 2.0**10, 2.0**-10, 2.0**24, 2.0**-20]),
        carried=st.sampled_from([1.0, 2.0**15, 2.0**-3]))

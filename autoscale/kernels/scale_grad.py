@@ -19,6 +19,8 @@ AOTAutograd and Inductor see the kernel itself, not an opaque call.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -39,22 +41,22 @@ def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carri
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     factor = tl.load(factor_ptr).to(tl.float32)
-    carried = tl.load(carried_ptr).to(tl.float32)
+    inv_carried = 1.0 / tl.load(carried_ptr).to(tl.float32)  # scales are powers of two: exact
     amax = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     total = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     squares = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
-    arrived = tl.zeros((BLOCK_SIZE,), dtype=tl.int64)
-    elements = tl.zeros((BLOCK_SIZE,), dtype=tl.int64)
-    zeros = tl.zeros((BLOCK_SIZE,), dtype=tl.int64)
-    made_bad = tl.zeros((BLOCK_SIZE,), dtype=tl.int64)
-    underflowed = tl.zeros((BLOCK_SIZE,), dtype=tl.int64)
+    arrived = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
+    elements = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
+    zeros = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
+    made_bad = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
+    underflowed = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
     for start in range(pid * BLOCK_SIZE, n, programs * BLOCK_SIZE):
         offsets = start + tl.arange(0, BLOCK_SIZE)
         mask = offsets < n
         raw = tl.load(g_ptr + offsets, mask=mask, other=0.0)
         g = raw.to(tl.float32)
         finite = (g == g) & (tl.abs(g) != float("inf"))
-        safe = tl.where(finite & mask, g, 0.0) / carried
+        safe = tl.where(finite & mask, g, 0.0) * inv_carried
         scaled = (g * factor).to(raw.dtype)
         scaled_f = scaled.to(tl.float32)
         made = (scaled_f == scaled_f) & (tl.abs(scaled_f) != float("inf"))
@@ -63,26 +65,29 @@ def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carri
         amax = tl.maximum(amax, tl.abs(safe))
         total += safe
         squares += safe * safe
-        arrived += (mask & ~finite).to(tl.int64)
-        elements += mask.to(tl.int64)
-        zeros += (mask & (g == 0)).to(tl.int64)
-        made_bad += (mask & finite & ~made).to(tl.int64)
-        underflowed += (mask & finite & (g != 0) & (out.to(tl.float32) == 0)).to(tl.int64)
+        arrived += (mask & ~finite).to(tl.int32)
+        elements += mask.to(tl.int32)
+        zeros += (mask & (g == 0)).to(tl.int32)
+        made_bad += (mask & finite & ~made).to(tl.int32)
+        underflowed += (mask & finite & (g != 0) & (out.to(tl.float32) == 0)).to(tl.int32)
     tl.atomic_max(fstats_ptr + 0, tl.max(amax, axis=0))
     tl.atomic_add(fstats_ptr + 1, tl.sum(total, axis=0))
     tl.atomic_add(fstats_ptr + 2, tl.sum(squares, axis=0))
-    tl.atomic_add(counts_ptr + 0, tl.sum(arrived, axis=0))
-    tl.atomic_add(counts_ptr + 1, tl.sum(elements, axis=0))
-    tl.atomic_add(counts_ptr + 2, tl.sum(zeros, axis=0))
-    tl.atomic_add(counts_ptr + 3, tl.sum(made_bad, axis=0))
-    tl.atomic_add(counts_ptr + 4, tl.sum(underflowed, axis=0))
+    tl.atomic_add(counts_ptr + 0, tl.sum(arrived, axis=0).to(tl.int64))
+    tl.atomic_add(counts_ptr + 1, tl.sum(elements, axis=0).to(tl.int64))
+    tl.atomic_add(counts_ptr + 2, tl.sum(zeros, axis=0).to(tl.int64))
+    tl.atomic_add(counts_ptr + 3, tl.sum(made_bad, axis=0).to(tl.int64))
+    tl.atomic_add(counts_ptr + 4, tl.sum(underflowed, axis=0).to(tl.int64))
 
 
 def _programs(device: torch.device, blocks: int) -> int:
     """Enough programs to fill the GPU a few times over; a handful elsewhere (the interpreter)."""
-    if device.type == "cuda":
-        return min(blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(blocks, 4)
+    return min(blocks, 4 * _multiprocessors(device.index or 0) if device.type == "cuda" else 4)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def _launch(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, kernel: object
