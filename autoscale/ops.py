@@ -54,10 +54,10 @@ def _(scales: torch.Tensor, stats: torch.Tensor, layout: str) -> None:
 
 @torch.library.custom_op("autoscale::accumulate_stats_", mutates_args=("stats",))
 def accumulate_stats_(stats: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
-    """Fold one gradient's statistics ``values`` into ``stats[rows]``: max for amax, sum otherwise."""
-    for row in rows:
-        merged = stats[row] + values
-        merged[_MAX_COLUMNS] = torch.maximum(stats[row, _MAX_COLUMNS], values[_MAX_COLUMNS])
+    """Fold ``values[i]`` (laid out by ``STAT``) into ``stats[rows[i]]``: max for amax, sum otherwise."""
+    for i, row in enumerate(rows):
+        merged = stats[row] + values[i]
+        merged[_MAX_COLUMNS] = torch.maximum(stats[row, _MAX_COLUMNS], values[i, _MAX_COLUMNS])
         stats[row] = merged
 
 
@@ -132,26 +132,23 @@ class _Rescale(torch.autograd.Function):
         out_rows, in_rows, record_rows, weight_grad = ctx.rows
         carried = _max_of(scales, in_rows)
         out, fstats, counts = _scale_grad(grad, _max_of(scales, out_rows) / carried, carried)
-        if record_rows:
-            elements = counts[1].float()
-            zero = torch.zeros((), device=grad.device)
-            values = torch.stack([zero, fstats[0], fstats[1], fstats[2], elements,
-                                  counts[2].float() if weight_grad else zero, elements if weight_grad else zero])
-            torch.ops.autoscale.accumulate_stats_(ctx.stats, list(record_rows), values)
-        # Blame the scale that produced a non-finite value: one that arrived non-finite was made
-        # under ``in_rows``; one this point made non-finite, by ``out_rows`` (``out`` has them
-        # zeroed, so the rest of the backward does not blame every layer below; the step is
-        # skipped anyway).
-        _blame(ctx.stats, in_rows, counts[0])
-        _blame(ctx.stats, out_rows, counts[3])
+        # One statistics update per point. Rows in ``record_rows`` get the gradient's statistics.
+        # Non-finite values are blamed on the scale that produced them: those that arrived
+        # non-finite were made under ``in_rows``; those this point made, by ``out_rows`` (``out``
+        # has them zeroed, so the rest of the backward does not blame every layer below; the step
+        # is skipped anyway).
+        zero = torch.zeros((), device=grad.device)
+        elements = counts[1].float()
+        recorded = torch.stack([zero, fstats[0], fstats[1], fstats[2], elements,
+                                counts[2].float() if weight_grad else zero, elements if weight_grad else zero])
+        nonfinite = torch.zeros(NUM_STATS, device=grad.device)
+        nonfinite[STAT["nonfinite"]] = 1.0
+        rows = sorted(set(record_rows) | set(in_rows) | set(out_rows))
+        values = [(recorded if row in record_rows else torch.zeros_like(recorded))
+                  + nonfinite * ((counts[0] if row in in_rows else zero) + (counts[3] if row in out_rows else zero))
+                  for row in rows]
+        torch.ops.autoscale.accumulate_stats_(ctx.stats, rows, torch.stack(values))
         return out, None, None, None, None, None, None
-
-
-def _blame(stats: torch.Tensor, rows: tuple[int, ...], count: torch.Tensor) -> None:
-    if rows:
-        values = torch.zeros(NUM_STATS, device=stats.device)
-        values[STAT["nonfinite"]] = count.float()
-        torch.ops.autoscale.accumulate_stats_(stats, list(rows), values)
 
 
 def rescale(x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],

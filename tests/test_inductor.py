@@ -1,0 +1,33 @@
+"""What Inductor makes of a scaled training step on CPU: one graph, and the scaling fused."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_fw_bw_and_get_code
+
+import autoscale
+from tests.models import mlp_case
+
+
+def test_scaled_training_step_has_no_graph_breaks_and_fuses_the_scaling() -> None:
+    model, (x,), y = mlp_case()
+    scaler = autoscale.GradScaler(model)
+    backend = autoscale.backend()
+    compiled = torch.compile(model, backend=backend)
+    counters.clear()
+    _, (forward, backward) = run_fw_bw_and_get_code(lambda: scaler.scale(F.cross_entropy(compiled(x), y)))
+
+    assert len(backend.records) == 1 and not counters["graph_break"]
+    kernels = re.findall(r"(cpp_fused_\w+)\(", backward)
+    # each rescale point's O(n) work — scale, cast, amax, sums, counts — shares a kernel with the
+    # neighbouring backward op (GELU's and ReLU's backward here)
+    assert any("amax" in k and "gelu_backward" in k for k in kernels), kernels
+    assert any("amax" in k and "threshold_backward" in k for k in kernels), kernels
+    # the statistics accumulate through the mutating custom op: a tiny extern call per point
+    assert backward.count("torch.ops.autoscale.accumulate_stats_") >= 3
+    assert "attach" not in forward  # the anchor op was removed by the pass
