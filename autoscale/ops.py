@@ -37,7 +37,7 @@ def headroom(margin: int) -> float:
 # Columns of the stats tensor (one row per layer).
 STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5, "numel": 6}
 NUM_STATS = len(STAT)
-_MAX_COLUMNS = [STAT["amax"]]
+_MAX_INDEX = torch.tensor([STAT["amax"]])  # the one column combined by max, not sum
 
 
 @torch.library.custom_op("autoscale::attach", mutates_args=("stats",))
@@ -54,11 +54,11 @@ def _(scales: torch.Tensor, stats: torch.Tensor, layout: str) -> None:
 
 @torch.library.custom_op("autoscale::accumulate_stats_", mutates_args=("stats",))
 def accumulate_stats_(stats: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
-    """Fold ``values[i]`` (laid out by ``STAT``) into ``stats[rows[i]]``: max for amax, sum otherwise."""
-    for i, row in enumerate(rows):
-        merged = stats[row] + values[i]
-        merged[_MAX_COLUMNS] = torch.maximum(stats[row, _MAX_COLUMNS], values[i, _MAX_COLUMNS])
-        stats[row] = merged
+    """Fold ``values[i]`` (laid out by ``STAT``) into ``stats[rows[i]]``: max for amax, sum otherwise.
+    ``rows`` are distinct."""
+    index = torch.tensor(rows, dtype=torch.long, device=stats.device)
+    stats.index_add_(0, index, values.index_fill(1, _MAX_INDEX.to(stats.device), 0.0))
+    stats[index, STAT["amax"]] = torch.maximum(stats[index, STAT["amax"]], values[:, STAT["amax"]])
 
 
 @accumulate_stats_.register_fake

@@ -1,0 +1,156 @@
+"""Step-time overhead of per-layer gradient scaling, measured side by side in one process.
+
+    python -m benchmarks.overhead [--quick]      # writes docs/results/overhead.md
+
+Methods, for each model (interleaved rounds, medians):
+  (a) autoscale: torch.compile(backend="autoscale") + autoscale.GradScaler (per-layer scales)
+  (b) the baseline: the same compiled float16 graph with torch.amp.GradScaler (one loss scale and
+      its separate unscale-and-check pass over the gradients)
+  (c) torch.compile (Inductor), float32
+  (d) eager, float32
+On a CPU, (a) and (b) both run autoscale's emulated float16 (float16 storage and rounding,
+float32 GEMM arithmetic): torch.autocast's float16 would run native half GEMMs, about 100x slower
+on this CPU, and would compare emulation with something else. So on CPU the ratio a/b isolates
+what per-layer scaling costs over torch.amp's GradScaler on the same mixed-precision graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoscale
+
+
+def mlp(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    width, depth, batch = (256, 4, 128) if quick else (512, 6, 256)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10)), torch.randn(batch, width), torch.randint(0, 10, (batch,))
+
+
+def cnn(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    c, size, batch = (16, 16, 32) if quick else (32, 32, 64)
+    model = nn.Sequential(
+        nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
+        nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
+    return model, torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        x = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return self.head(x.mean(1))
+
+
+def transformer(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    d, seq, batch = (64, 32, 8) if quick else (128, 64, 16)
+    return Block(d, 4), torch.randn(batch, seq, d), torch.randint(0, 10, (batch,))
+
+
+MODELS: dict[str, Callable[[bool], tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {
+    "MLP": mlp, "CNN": cnn, "transformer block": transformer}
+
+
+class _NoScaler:
+    """The float32 methods' stand-in for a scaler."""
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def step(self, opt: torch.optim.Optimizer) -> None:
+        opt.step()
+
+    def update(self) -> None:
+        pass
+
+
+def _methods(model: nn.Module) -> dict[str, tuple[Callable[..., Any], Any, nn.Module]]:
+    """name -> (callable model, scaler, module that owns the parameters)."""
+    a, b, c, d = (copy.deepcopy(model) for _ in range(4))
+    return {
+        "(a) autoscale": (torch.compile(a, backend="autoscale"), None, a),  # scaler made below
+        "(b) compiled fp16 + torch.amp.GradScaler": (torch.compile(b, backend="autoscale"),
+                                                     torch.amp.GradScaler("cpu"), b),
+        "(c) torch.compile fp32": (torch.compile(c), _NoScaler(), c),
+        "(d) eager fp32": (d, _NoScaler(), d),
+    }
+
+
+def _step(run: Callable[..., Any], scaler: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(F.cross_entropy(run(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def measure(name: str, quick: bool, rounds: int, steps: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model, x, y = MODELS[name](quick)
+    methods = _methods(model)
+    runs: dict[str, tuple[Callable[..., Any], Any, torch.optim.Optimizer]] = {}
+    for label, (run, scaler, owner) in methods.items():
+        scaler = scaler if scaler is not None else autoscale.GradScaler(run)
+        opt = torch.optim.SGD(owner.parameters(), lr=1e-3)
+        for _ in range(3):  # compile and warm up
+            _step(run, scaler, opt, x, y)
+        runs[label] = (run, scaler, opt)
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(rounds):  # interleaved: every method sees the same machine load
+        for label, (run, scaler, opt) in runs.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                _step(run, scaler, opt, x, y)
+            times[label].append((time.perf_counter() - start) / steps)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small models, few repetitions (under 2 minutes)")
+    args = parser.parse_args()
+    rounds, steps = (5, 3) if args.quick else (15, 5)
+    results = {name: measure(name, args.quick, rounds, steps) for name in MODELS}
+    labels = list(next(iter(results.values())))
+    lines = ["| model | " + " | ".join(labels) + " | ratio a/b |", "|---" * (len(labels) + 2) + "|"]
+    ratios = []
+    for name, medians in results.items():
+        ratio = medians[labels[0]] / medians[labels[1]]
+        ratios.append(ratio)
+        lines.append(f"| {name} | " + " | ".join(f"{medians[k] * 1e3:.2f} ms" for k in labels) + f" | {ratio:.2f} |")
+    overall = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    text = (f"# Step-time overhead\n\n{__doc__}\nMachine: {torch.get_num_threads()} threads, torch "
+            f"{torch.__version__}, {'--quick' if args.quick else 'full'} run; median step time over {rounds} "
+            f"interleaved rounds of {steps} steps.\n\n" + "\n".join(lines)
+            + f"\n\nGeometric mean of the ratios: {overall:.2f}.\n")
+    Path(__file__).resolve().parent.parent.joinpath("docs", "results", "overhead.md").write_text(text)
+    print("\n".join(lines))
+    print(f"overhead ratio (autoscale / inductor+autocast+GradScaler): {overall:.2f}")
+
+
+if __name__ == "__main__":
+    main()
