@@ -143,11 +143,12 @@ class _Rescale(torch.autograd.Function):
                                 counts[2].float() if weight_grad else zero, elements if weight_grad else zero])
         nonfinite = torch.zeros(NUM_STATS, device=grad.device)
         nonfinite[STAT["nonfinite"]] = 1.0
-        rows = sorted(set(record_rows) | set(in_rows) | set(out_rows))
-        values = [(recorded if row in record_rows else torch.zeros_like(recorded))
-                  + nonfinite * ((counts[0] if row in in_rows else zero) + (counts[3] if row in out_rows else zero))
-                  for row in rows]
-        torch.ops.autoscale.accumulate_stats_(ctx.stats, rows, torch.stack(values))
+        if record_rows:  # a point that records nothing blames nothing either (a bias's unscale)
+            rows = sorted(set(record_rows) | set(in_rows) | set(out_rows))
+            values = [(recorded if row in record_rows else torch.zeros_like(recorded))
+                      + nonfinite * ((counts[0] if row in in_rows else zero) + (counts[3] if row in out_rows else zero))
+                      for row in rows]
+            torch.ops.autoscale.accumulate_stats_(ctx.stats, rows, torch.stack(values))
         return out, None, None, None, None, None, None
 
 

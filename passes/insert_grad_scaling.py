@@ -217,7 +217,11 @@ class _State:
             if p not in self.carried:
                 continue
             rows = self.carried[p]
-            point = self._rescale(p, frozenset({LOSS_ROW}), rows, rows | {self.row(p)}, after=placeholders[-1],
+            # A vector (a bias) records nothing: its gradient is a sum of G_y, whose overflow the
+            # weight's point already blames; skipping it saves a statistics update per step.
+            val = tensor_val(p)
+            record = rows | {self.row(p)} if isinstance(val, torch.Tensor) and val.dim() > 1 else frozenset()
+            point = self._rescale(p, frozenset({LOSS_ROW}), rows, record, after=placeholders[-1],
                                   like=p, reason=f"unscale the gradient of {p.name}", weight_grad=True)
             redirect_uses(p, point)
             count += 1
