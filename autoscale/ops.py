@@ -21,6 +21,7 @@ used on CUDA.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -37,7 +38,6 @@ def headroom(margin: int) -> float:
 # Columns of the stats tensor (one row per layer).
 STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5, "numel": 6}
 NUM_STATS = len(STAT)
-_MAX_INDEX = torch.tensor([STAT["amax"]])  # the one column combined by max, not sum
 
 
 @torch.library.custom_op("autoscale::attach", mutates_args=("stats",))
@@ -56,9 +56,17 @@ def _(scales: torch.Tensor, stats: torch.Tensor, layout: str) -> None:
 def accumulate_stats_(stats: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
     """Fold ``values[i]`` (laid out by ``STAT``) into ``stats[rows[i]]``: max for amax, sum otherwise.
     ``rows`` are distinct."""
-    index = torch.tensor(rows, dtype=torch.long, device=stats.device)
-    stats.index_add_(0, index, values.index_fill(1, _MAX_INDEX.to(stats.device), 0.0))
+    index, max_column = _indices(tuple(rows), stats.device)
+    stats.index_add_(0, index, values.index_fill(1, max_column, 0.0))
     stats[index, STAT["amax"]] = torch.maximum(stats[index, STAT["amax"]], values[:, STAT["amax"]])
+
+
+@functools.cache
+def _indices(rows: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tensors for ``accumulate_stats_``, made once per call site and device: building them
+    every step would copy host to device (and on CUDA, wait) every step."""
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor([STAT["amax"]], dtype=torch.long, device=device))
 
 
 @accumulate_stats_.register_fake
