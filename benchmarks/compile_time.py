@@ -1,0 +1,93 @@
+"""Compile time of autoscale's passes against Inductor's, as the graph grows.
+
+    python -m benchmarks.compile_time [--inductor-max NODES]   # writes docs/results/compile_time.md
+
+Graphs: an MLP chain of Linear + GELU layers with an autoscale.GradScaler attached (so every pass
+has work: painting, emulation, the analysis, scale points), sized from ~100 to ~10,000 Dynamo
+nodes. "passes" is the whole Dynamo stage of the pipeline on the captured graph, invariant checks
+included; "Inductor" is torch.compile's default backend compiling the same model's forward and
+backward (cold: caches off), for sizes up to --inductor-max nodes (it takes minutes beyond that
+on a 2-core CPU). Targets: passes ≤ 10% of Inductor's time; 10k nodes < 2 s; growth linear.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch._inductor.config
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx import GraphModule
+
+import autoscale
+from autoscale.passes import PIPELINE, run_stage
+from autoscale.passes.analyze_underflow import seed_inputs
+
+
+def chain(layers: int) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    body: list[nn.Module] = []
+    for _ in range(layers):
+        body += [nn.Linear(32, 32), nn.GELU()]
+    return nn.Sequential(*body), torch.randn(8, 32)
+
+
+def capture(model: nn.Module, x: torch.Tensor) -> tuple[GraphModule, list[Any]]:
+    graphs: list[tuple[GraphModule, list[Any]]] = []
+
+    def grab(gm: GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=grab)(x)
+    return graphs[0]
+
+
+def passes_seconds(layers: int) -> tuple[int, float]:
+    model, x = chain(layers)
+    autoscale.GradScaler(model)
+    gm, example = capture(model, x)
+    nodes = len(gm.graph.nodes)
+    cfg = autoscale.Config().resolved(torch.device("cpu"))
+    start = time.perf_counter()
+    seed_inputs(gm, example)
+    run_stage(gm, cfg, "dynamo", PIPELINE)
+    return nodes, time.perf_counter() - start
+
+
+def inductor_seconds(layers: int) -> float:
+    model, x = chain(layers)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False, autotune_local_cache=False):
+        compiled = torch.compile(model)
+        start = time.perf_counter()
+        F.mse_loss(compiled(x), x).backward()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--inductor-max", type=int, default=1000, help="largest graph (nodes) to compile with Inductor")
+    args = parser.parse_args()
+    lines = ["| Dynamo nodes | autoscale passes | per node | Inductor compile | passes / Inductor |",
+             "|---|---|---|---|---|"]
+    for layers in (25, 75, 250, 750, 2500):
+        nodes, ours = passes_seconds(layers)
+        theirs = inductor_seconds(layers) if nodes <= args.inductor_max else None
+        ratio = f"{ours / theirs:.1%}" if theirs else "—"
+        lines.append(f"| {nodes} | {ours:.2f} s | {ours / nodes * 1e3:.2f} ms | "
+                     f"{f'{theirs:.1f} s' if theirs else 'not run'} | {ratio} |")
+        print(lines[-1], flush=True)
+    text = (f"# Compile time\n\n{__doc__}\nMachine: {torch.get_num_threads()} threads, torch {torch.__version__}.\n\n"
+            + "\n".join(lines) + "\n")
+    Path(__file__).resolve().parent.parent.joinpath("docs", "results", "compile_time.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
