@@ -34,13 +34,12 @@ class ScaleState:
     that ``model.to(device)`` carries them along.
     """
 
-    def __init__(self, root: nn.Module, layer_names: Sequence[str], *, init: float = 1.0) -> None:
+    def __init__(self, root: nn.Module, layer_names: Sequence[str]) -> None:
         self.root = root
         self.layers: tuple[str, ...] = (_LOSS_NAME, *layer_names)
         self.layout = LAYOUT_SEP.join(self.layers)
         device = next((p.device for p in root.parameters()), torch.device("cpu"))
-        scales = torch.full((len(self.layers),), float(init), device=device)
-        scales[LOSS_ROW] = 1.0
+        scales = torch.ones(len(self.layers), device=device)  # the backend seeds layers from its analysis
         root.register_buffer(_SCALES, scales, persistent=False)
         root.register_buffer(_STATS, torch.zeros(len(self.layers), NUM_STATS, device=device), persistent=False)
 
@@ -58,14 +57,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
-def install_state(model: nn.Module, **kwargs: Any) -> ScaleState:
+def install_state(model: nn.Module) -> ScaleState:
     """Give ``model`` a ScaleState (a row per named module) and make its forward announce the
     state to the backend. Idempotent: a second call returns the installed state."""
     root = unwrap(model)
     existing = getattr(root, _STATE_ATTR, None)
     if isinstance(existing, ScaleState):
         return existing
-    state = ScaleState(root, [name for name, _ in root.named_modules()], **kwargs)
+    state = ScaleState(root, [name for name, _ in root.named_modules()])
     object.__setattr__(root, _STATE_ATTR, state)  # a plain attribute, not a submodule
     inner = root.forward
 
