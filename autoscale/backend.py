@@ -21,6 +21,7 @@ from autoscale.inspect import PrecisionReport, precision_report
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
 from autoscale.passes.graph_utils import dtype_name
+from autoscale.runtime import state_of
 
 __all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend"]
 
@@ -78,6 +79,7 @@ class Backend:
             calibrate(gm, example_inputs)
         passes = run_stage(gm, cfg, "dynamo", self.pipeline)
         _seed_scales(gm, example_inputs)
+        _register_checked(gm, example_inputs)
         report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
         record = CompileRecord(cfg, report, passes)
         self.records.append(record)
@@ -120,6 +122,16 @@ def _seed_scales(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
         for row, value in initial.items():
             if float(scales[row]) == 1.0:
                 scales[row] = value
+
+
+def _register_checked(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Tell the scaler's state which inputs' gradients this graph checks for inf/nan, so that
+    ``GradScaler.step`` does not make another pass over them."""
+    checked = gm.meta.get("autoscale_checked_inputs")
+    state = state_of(example_inputs[gm.meta["autoscale_scales_input"]]) if checked else None
+    if state is not None:
+        for i in checked:
+            state.checked[example_inputs[i]] = True
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:

@@ -106,6 +106,9 @@ class Config:
     allow, deny, infer, clear: extra op names for the precision tables (see
               ``autoscale.passes.op_tables``); an entry here overrides the built-in category.
     scaling:  gradient-scaling settings.
+    verify:   after every pass, re-propagate fake values through the whole graph and check that
+              the values the passes recorded match (slow: for developing passes; the "debug"
+              recipe and the test suite turn it on).
     """
 
     dtype: torch.dtype = torch.float16
@@ -116,6 +119,7 @@ class Config:
     infer: tuple[str, ...] = ()
     clear: tuple[str, ...] = ()
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    verify: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _normalize_dtype(self.dtype))
@@ -167,7 +171,7 @@ def _normalize_dtype(value: object) -> torch.dtype:
 
 _RECIPES: dict[str, Config] = {
     "default": Config(),
-    "debug": Config(executor="eager"),
+    "debug": Config(executor="eager", verify=True),
     "bf16": Config(dtype=torch.bfloat16),
 }
 
@@ -178,7 +182,8 @@ def recipe_names() -> tuple[str, ...]:
 
 
 def recipe(name: str, **changes: Any) -> Config:
-    """A named, ready-made Config ("default", "debug": eager executor, "bf16"), optionally changed."""
+    """A named, ready-made Config ("default", "debug": eager executor and verified passes,
+    "bf16"), optionally changed."""
     if name not in _RECIPES:
         raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(map(repr, _RECIPES))}")
     return _RECIPES[name].replace(**changes) if changes else _RECIPES[name]

@@ -14,19 +14,19 @@ layer's scale point (row 0 is the loss scale). A scale point is ``out_rows=(r,)`
 ``out_rows=(0,)``.
 
 Statistics are normalized by the scale the gradient arrived with, so the update rule sees
-magnitudes at unit scale and needs no knowledge of the graph. ``scale_grad_reference`` is the
-one-pass computation in plain torch: the CPU path and the oracle for the fused Triton kernel
-used on CUDA.
+magnitudes at unit scale and needs no knowledge of the graph. ``scale_and_measure`` is the
+point's computation: the fused Triton kernel on CUDA, plain torch that Inductor fuses elsewhere.
+``scale_grad_reference`` is the oracle both are tested against.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["COUNTS", "FP16_MAX", "NUM_STATS", "STAT", "attach", "headroom", "rescale", "scale_grad_reference"]
+__all__ = ["COUNTS", "FP16_MAX", "NUM_STATS", "STAT", "Measured", "attach", "headroom", "rescale", "scale_and_measure",
+           "scale_grad_reference"]
 
 FP16_MAX = 65504.0
 
@@ -41,36 +41,14 @@ NUM_STATS = len(STAT)
 
 
 @torch.library.custom_op("autoscale::attach", mutates_args=("stats",))
-def attach(scales: torch.Tensor, stats: torch.Tensor, layout: str) -> None:
+def attach(scales: torch.Tensor, stats: torch.Tensor, layout: str, moments: bool) -> None:
     """Does nothing. ``GradScaler`` calls it at the top of the model's forward so that Dynamo lifts
     the state tensors into the graph as inputs; the backend finds it, reads ``layout`` (the layer
-    of each row) and removes it."""
+    of each row) and ``moments`` (whether the scaler's rule needs Σ g and Σ g²) and removes it."""
 
 
 @attach.register_fake
-def _(scales: torch.Tensor, stats: torch.Tensor, layout: str) -> None:
-    return None
-
-
-@torch.library.custom_op("autoscale::accumulate_stats_", mutates_args=("stats",))
-def accumulate_stats_(stats: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
-    """Fold ``values[i]`` (laid out by ``STAT``) into ``stats[rows[i]]``: max for amax, sum otherwise.
-    ``rows`` are distinct."""
-    index, max_column = _indices(tuple(rows), stats.device)
-    stats.index_add_(0, index, values.index_fill(1, max_column, 0.0))
-    stats[index, STAT["amax"]] = torch.maximum(stats[index, STAT["amax"]], values[:, STAT["amax"]])
-
-
-@functools.cache
-def _indices(rows: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index tensors for ``accumulate_stats_``, made once per call site and device: building them
-    every step would copy host to device (and on CUDA, wait) every step."""
-    return (torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor([STAT["amax"]], dtype=torch.long, device=device))
-
-
-@accumulate_stats_.register_fake
-def _(stats: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+def _(scales: torch.Tensor, stats: torch.Tensor, layout: str, moments: bool) -> None:
     return None
 
 
@@ -84,9 +62,8 @@ def scale_grad_reference(grad: torch.Tensor, factor: torch.Tensor, carried: torc
     ``out`` is ``grad·factor`` in grad's dtype with the values this made non-finite set to 0;
     ``fstats`` = [max |g|/carried, Σ g/carried, Σ (g/carried)²] over grad's finite values;
     ``counts`` (int64) as named by ``COUNTS``: arrived non-finite, elements, zeros in grad, made
-    non-finite, and underflowed (finite non-zero values that ``out`` rounds to zero). The CPU path,
-    which Inductor fuses with its neighbours, and the oracle of the Triton kernel
-    (``autoscale.kernels.scale_grad``).
+    non-finite, and underflowed (finite non-zero values that ``out`` rounds to zero). The oracle of
+    the Triton kernel (``autoscale.kernels.scale_grad``) and of ``scale_and_measure``.
     """
     g = grad.float()
     finite = torch.isfinite(g)
@@ -106,16 +83,60 @@ def scale_grad_reference(grad: torch.Tensor, factor: torch.Tensor, carried: torc
     return out, fstats, counts
 
 
-def _scale_grad(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused Triton op on CUDA (imported on first use: ``import autoscale`` stays triton-free),
-    the reference elsewhere."""
+class Measured(NamedTuple):
+    """What a rescale point measures of the gradient it rescales, as 0-dim tensors: the statistics
+    over its finite values at unit scale (``amax``, ``total``, ``squares``: max |g|, Σ g, Σ g²), whether
+    any value arrived non-finite, whether the rescale made any finite value non-finite, and how
+    many values are exactly zero."""
+
+    amax: torch.Tensor
+    total: torch.Tensor
+    squares: torch.Tensor
+    arrived: torch.Tensor
+    made: torch.Tensor
+    zeros: torch.Tensor
+
+
+def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
+                      ) -> tuple[torch.Tensor, Measured]:
+    """The rescale point's backward: ``out`` as in ``scale_grad_reference`` and its ``Measured``.
+
+    On CUDA, the fused Triton kernel (imported on first use: ``import autoscale`` stays
+    triton-free). Elsewhere, plain torch that Inductor fuses into the kernel of the backward op
+    next to it; it computes only what the point records, with fewer reductions than the oracle:
+    the two non-finite flags come from the finite maximum (rounding is monotone, so a finite value
+    overflows under ``factor`` iff the largest one does) and one ``any``.
+    """
     if grad.device.type == "cuda":
         import autoscale.kernels.scale_grad  # noqa: F401  (registers autoscale::scale_grad)
 
         out, fstats, counts = torch.ops.autoscale.scale_grad(grad, factor, carried)
-        return out, fstats, counts
-    return scale_grad_reference(grad, factor, carried)
+        return out, Measured(fstats[0], fstats[1], fstats[2], counts[0] > 0, counts[3] > 0, counts[2].float())
+    g = grad.float()
+    finite = torch.isfinite(g)
+    safe = torch.where(finite, g, 0.0)
+    peak = safe.abs().amax() if g.numel() else torch.zeros((), device=g.device)
+    scaled = (g * factor.float()).to(grad.dtype)
+    out = torch.where(torch.isfinite(scaled), scaled, torch.zeros((), dtype=grad.dtype, device=grad.device))
+    unit = safe / carried.float()
+    return out, Measured(
+        amax=peak / carried.float(),
+        total=unit.sum(),
+        squares=(unit * unit).sum(),
+        arrived=(~finite).any(),
+        made=~torch.isfinite((peak * factor.float()).to(grad.dtype)),
+        zeros=(g == 0).sum(dtype=torch.int32).float(),
+    )
+
+
+def _accumulate(stats: torch.Tensor, rows: dict[int, torch.Tensor]) -> None:
+    """Fold each ``rows[r]`` (laid out by ``STAT``) into ``stats[r]``: max for amax, sum otherwise.
+    Plain indexing with constant rows, so Inductor fuses it with the point's other epilogue work
+    (an opaque op here cost ~80 µs a call on CPU)."""
+    is_max = torch.arange(NUM_STATS, device=stats.device) == STAT["amax"]
+    for row, values in rows.items():
+        current = stats[row]
+        stats[row] = torch.where(is_max, torch.maximum(current, values), current + values)
 
 
 def _max_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
@@ -128,40 +149,46 @@ class _Rescale(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor,
                 out_rows: tuple[int, ...], in_rows: tuple[int, ...], record_rows: tuple[int, ...],
-                weight_grad: bool) -> torch.Tensor:
+                weight_grad: bool, moments: bool) -> torch.Tensor:
         ctx.save_for_backward(scales)
         ctx.stats = stats  # held, not saved: the backward writes it in place
-        ctx.rows = out_rows, in_rows, record_rows, weight_grad
+        ctx.rows = out_rows, in_rows, record_rows, weight_grad, moments
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (scales,) = ctx.saved_tensors
-        out_rows, in_rows, record_rows, weight_grad = ctx.rows
+        out_rows, in_rows, record_rows, weight_grad, moments = ctx.rows
         carried = _max_of(scales, in_rows)
-        out, fstats, counts = _scale_grad(grad, _max_of(scales, out_rows) / carried, carried)
-        # One statistics update per point. Rows in ``record_rows`` get the gradient's statistics.
-        # Non-finite values are blamed on the scale that produced them: those that arrived
-        # non-finite were made under ``in_rows``; those this point made, by ``out_rows`` (``out``
-        # has them zeroed, so the rest of the backward does not blame every layer below; the step
-        # is skipped anyway).
+        factor = _max_of(scales, out_rows) / carried
+        out, m = scale_and_measure(grad, factor, carried)
+        # One statistics update per point. Rows in ``record_rows`` get the gradient's statistics
+        # (a bias's unscale point records none: its weight's point does). Non-finite values are
+        # blamed on the scale that produced them: those that arrived non-finite were made under
+        # ``in_rows``; those this point made, by ``out_rows`` (``out`` has them zeroed, so the rest
+        # of the backward does not blame every layer below; the step is skipped anyway). So every
+        # gradient leaving the graph has been checked, and ``GradScaler.step`` need not read it.
         zero = torch.zeros((), device=grad.device)
-        elements = counts[1].float()
-        recorded = torch.stack([zero, fstats[0], fstats[1], fstats[2], elements,
-                                counts[2].float() if weight_grad else zero, elements if weight_grad else zero])
-        nonfinite = torch.zeros(NUM_STATS, device=grad.device)
-        nonfinite[STAT["nonfinite"]] = 1.0
-        if record_rows:  # a point that records nothing blames nothing either (a bias's unscale)
-            rows = sorted(set(record_rows) | set(in_rows) | set(out_rows))
-            values = [(recorded if row in record_rows else torch.zeros_like(recorded))
-                      + nonfinite * ((counts[0] if row in in_rows else zero) + (counts[3] if row in out_rows else zero))
-                      for row in rows]
-            torch.ops.autoscale.accumulate_stats_(ctx.stats, rows, torch.stack(values))
-        return out, None, None, None, None, None, None
+        elements = torch.full((), float(grad.numel()), device=grad.device)
+        # (Σ g and Σ g² only for a rule that reads them: unused, Inductor drops their reductions)
+        recorded = torch.stack([zero, m.amax, m.total if moments else zero, m.squares if moments else zero, elements,
+                                m.zeros if weight_grad else zero, elements if weight_grad else zero])
+        flag = torch.arange(NUM_STATS, device=grad.device) == STAT["nonfinite"]
+        arrived, made = m.arrived.float(), m.made.float()
+        rows = {}
+        for row in sorted(set(record_rows) | set(in_rows) | set(out_rows)):
+            blame = (arrived if row in in_rows else zero) + (made if row in out_rows else zero)
+            rows[row] = (recorded if row in record_rows else torch.zeros_like(recorded)) + flag * blame
+        _accumulate(ctx.stats, rows)
+        return out, *_NO_GRADS
+
+
+_NO_GRADS = (None,) * 7  # for rescale's arguments after x
 
 
 def rescale(x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
-            in_rows: tuple[int, ...], record_rows: tuple[int, ...] = (), weight_grad: bool = False) -> torch.Tensor:
+            in_rows: tuple[int, ...], record_rows: tuple[int, ...] = (), weight_grad: bool = False,
+            moments: bool = False) -> torch.Tensor:
     """Identity forward; backward rescales the gradient and records its statistics (see the module)."""
-    out: torch.Tensor = _Rescale.apply(x, scales, stats, out_rows, in_rows, record_rows, weight_grad)
+    out: torch.Tensor = _Rescale.apply(x, scales, stats, out_rows, in_rows, record_rows, weight_grad, moments)
     return out

@@ -1,17 +1,19 @@
 """Step-time overhead of per-layer gradient scaling, measured side by side in one process.
 
-    python -m benchmarks.overhead [--quick]      # writes docs/results/overhead.md
+    python -m benchmarks.overhead [--quick] [--device cuda]     # writes docs/results/overhead[_cuda].md
 
 Methods, for each model (interleaved rounds, medians):
   (a) autoscale: torch.compile(backend="autoscale") + autoscale.GradScaler (per-layer scales)
-  (b) the baseline: the same compiled float16 graph with torch.amp.GradScaler (one loss scale and
-      its separate unscale-and-check pass over the gradients)
+  (b) the baseline: compiled float16 with torch.amp.GradScaler (one loss scale and its separate
+      unscale-and-check pass over the gradients)
   (c) torch.compile (Inductor), float32
   (d) eager, float32
-On a CPU, (a) and (b) both run autoscale's emulated float16 (float16 storage and rounding,
-float32 GEMM arithmetic): torch.autocast's float16 would run native half GEMMs, about 100x slower
-on this CPU, and would compare emulation with something else. So on CPU the ratio a/b isolates
-what per-layer scaling costs over torch.amp's GradScaler on the same mixed-precision graph.
+On CUDA, (b) is torch.compile (Inductor) + torch.autocast(float16) + torch.amp.GradScaler, and (a)
+runs native float16 GEMMs. On a CPU, (a) and (b) both run autoscale's emulated float16 (float16
+storage and rounding, float32 GEMM arithmetic): torch.autocast's float16 would run native half
+GEMMs, about 100x slower on this CPU, and would compare emulation with something else. So on CPU
+(b) is the same autoscale graph with torch.amp.GradScaler, and the ratio a/b isolates what
+per-layer scaling costs over torch.amp's GradScaler on the same mixed-precision graph.
 """
 
 from __future__ import annotations
@@ -76,6 +78,19 @@ MODELS: dict[str, Callable[[bool], tuple[nn.Module, torch.Tensor, torch.Tensor]]
     "MLP": mlp, "CNN": cnn, "transformer block": transformer}
 
 
+class _Autocast(nn.Module):
+    """``model`` under torch.autocast(float16): the baseline's forward on CUDA."""
+
+    def __init__(self, model: nn.Module, device: str) -> None:
+        super().__init__()
+        self.model, self.device = model, device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device, dtype=torch.float16):
+            out: torch.Tensor = self.model(x)
+        return out.float()
+
+
 class _NoScaler:
     """The float32 methods' stand-in for a scaler."""
 
@@ -89,13 +104,13 @@ class _NoScaler:
         pass
 
 
-def _methods(model: nn.Module) -> dict[str, tuple[Callable[..., Any], Any, nn.Module]]:
+def _methods(model: nn.Module, device: str) -> dict[str, tuple[Callable[..., Any], Any, nn.Module]]:
     """name -> (callable model, scaler, module that owns the parameters)."""
-    a, b, c, d = (copy.deepcopy(model) for _ in range(4))
+    a, b, c, d = (copy.deepcopy(model).to(device) for _ in range(4))
+    baseline = torch.compile(_Autocast(b, device)) if device == "cuda" else torch.compile(b, backend="autoscale")
     return {
         "(a) autoscale": (torch.compile(a, backend="autoscale"), None, a),  # scaler made below
-        "(b) compiled fp16 + torch.amp.GradScaler": (torch.compile(b, backend="autoscale"),
-                                                     torch.amp.GradScaler("cpu"), b),
+        "(b) compiled fp16 + torch.amp.GradScaler": (baseline, torch.amp.GradScaler(device), b),
         "(c) torch.compile fp32": (torch.compile(c), _NoScaler(), c),
         "(d) eager fp32": (d, _NoScaler(), d),
     }
@@ -108,10 +123,16 @@ def _step(run: Callable[..., Any], scaler: Any, opt: torch.optim.Optimizer, x: t
     scaler.update()
 
 
-def measure(name: str, quick: bool, rounds: int, steps: int) -> dict[str, float]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(name: str, quick: bool, rounds: int, steps: int, device: str) -> dict[str, float]:
     torch.manual_seed(0)
     model, x, y = MODELS[name](quick)
-    methods = _methods(model)
+    x, y = x.to(device), y.to(device)
+    methods = _methods(model, device)
     runs: dict[str, tuple[Callable[..., Any], Any, torch.optim.Optimizer]] = {}
     for label, (run, scaler, owner) in methods.items():
         scaler = scaler if scaler is not None else autoscale.GradScaler(run)
@@ -122,19 +143,22 @@ def measure(name: str, quick: bool, rounds: int, steps: int) -> dict[str, float]
     times: dict[str, list[float]] = {label: [] for label in runs}
     for _ in range(rounds):  # interleaved: every method sees the same machine load
         for label, (run, scaler, opt) in runs.items():
+            _sync(device)
             start = time.perf_counter()
             for _ in range(steps):
                 _step(run, scaler, opt, x, y)
+            _sync(device)
             times[label].append((time.perf_counter() - start) / steps)
     return {label: statistics.median(t) for label, t in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small models, few repetitions (under 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="small models (under 2 minutes)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
-    rounds, steps = (5, 3) if args.quick else (15, 5)
-    results = {name: measure(name, args.quick, rounds, steps) for name in MODELS}
+    rounds, steps = 15, 5
+    results = {name: measure(name, args.quick, rounds, steps, args.device) for name in MODELS}
     labels = list(next(iter(results.values())))
     lines = ["| model | " + " | ".join(labels) + " | ratio a/b |", "|---" * (len(labels) + 2) + "|"]
     ratios = []
@@ -143,11 +167,12 @@ def main() -> None:
         ratios.append(ratio)
         lines.append(f"| {name} | " + " | ".join(f"{medians[k] * 1e3:.2f} ms" for k in labels) + f" | {ratio:.2f} |")
     overall = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    text = (f"# Step-time overhead\n\n{__doc__}\nMachine: {torch.get_num_threads()} threads, torch "
-            f"{torch.__version__}, {'--quick' if args.quick else 'full'} run; median step time over {rounds} "
-            f"interleaved rounds of {steps} steps.\n\n" + "\n".join(lines)
-            + f"\n\nGeometric mean of the ratios: {overall:.2f}.\n")
-    Path(__file__).resolve().parent.parent.joinpath("docs", "results", "overhead.md").write_text(text)
+    machine = (torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads")
+    text = (f"# Step-time overhead\n\n{__doc__}\nMachine: {machine}, torch {torch.__version__}, "
+            f"{'--quick' if args.quick else 'full'} run; median step time over {rounds} interleaved rounds of "
+            f"{steps} steps.\n\n" + "\n".join(lines) + f"\n\nGeometric mean of the ratios: {overall:.2f}.\n")
+    name = "overhead.md" if args.device == "cpu" else f"overhead_{args.device}.md"
+    Path(__file__).resolve().parent.parent.joinpath("docs", "results", name).write_text(text)
     print("\n".join(lines))
     print(f"overhead ratio (autoscale / inductor+autocast+GradScaler): {overall:.2f}")
 

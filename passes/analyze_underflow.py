@@ -229,13 +229,16 @@ def _hermite(points: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _expect(f: Callable[[torch.Tensor], torch.Tensor], m: Moments) -> tuple[float, float, float]:
-    """E[f(X)], E[f(X)²] and E[f'(X)²] for X Gaussian with m's mean and spread."""
+    """E[f(X)], E[f(X)²] and E[f'(X)²] for X Gaussian with m's mean and spread.
+
+    f' by central differences in float64 (step ~ eps^(1/3) relative: ~1e-10 relative error), in
+    the same call as f: autograd cost 3x as much, and this runs for every elementwise op.
+    """
     z, w = _hermite()
-    with torch.enable_grad():  # compiles under torch.no_grad() (evaluation) too
-        x = (m.mean + m.std * z).requires_grad_(True)
-        y = f(x)
-        (dy,) = torch.autograd.grad(y.sum(), x)
-    y = y.detach()
+    x = m.mean + m.std * z
+    h = 6e-6 * (x.abs() + m.std) + 1e-300
+    y, up, down = f(torch.stack([x, x + h, x - h])).unbind(0)
+    dy = (up - down) / (2 * h)
     return float((w * y).sum()), float((w * y * y).sum()), float((w * dy * dy).sum())
 
 

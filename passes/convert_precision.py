@@ -28,7 +28,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .graph_utils import dtype_name, float_dtype, insert_cast, mutated_aliases, op_name, provenance, tensor_val
+from .graph_utils import (
+    dtype_name,
+    float_dtype,
+    insert_cast,
+    mutated_aliases,
+    op_name,
+    provenance,
+    retyped,
+    tensor_val,
+)
 from .manager import PassResult
 from .op_tables import Category, category_of, deny_reason
 
@@ -61,6 +70,9 @@ def convert_precision(gm: GraphModule, cfg: Config) -> PassResult:
         provenance(node, PASS, decision.reason, category=decision.category.value,
                    precision=dtype_name(dtype))
     casts = _insert_casts(graph, paint, pinned, cfg.dtype)
+    for node, decision in paint.items():  # their inputs arrive in low precision now: so do they
+        if decision.low:
+            node.meta["val"] = retyped(tensor_val(node), cfg.dtype)
     low = sum(d.low for d in paint.values())
     return PassResult(gm, modified=casts > 0, counts={"ops": len(paint), "low": low, "casts": casts})
 

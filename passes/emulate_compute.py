@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import dtype_name, float_dtype, insert_cast, op_name, provenance, redirect_uses
+from .graph_utils import dtype_name, float_dtype, insert_cast, op_name, provenance, redirect_uses, retyped, tensor_val
 from .manager import PassResult
 from .op_tables import Category, category_of
 
@@ -51,6 +51,7 @@ def emulate_compute(gm: GraphModule, cfg: Config) -> PassResult:
             node.replace_input_with(a, upcasts[a])
         rounded = _cast(graph, node, low, node.next, f"round emulated {node.name} to {dtype_name(low)}", like=node)
         redirect_uses(node, rounded)
+        node.meta["val"] = retyped(tensor_val(node), torch.float32)
         emulated += 1
     return PassResult(gm, modified=emulated > 0, counts={"emulated": emulated, "upcasts": len(upcasts)})
 

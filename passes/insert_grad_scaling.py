@@ -63,22 +63,26 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     attach = next((n for n in graph.nodes if _is_attach(n)), None)
     if attach is None:  # no GradScaler state in this graph: nothing to scale with
         return PassResult(gm, modified=False, counts={"scale_points": 0})
-    scales, stats, layout = attach.args
+    scales, stats, layout, moments = attach.args
     layers = str(layout).split(LAYOUT_SEP)
-    state = _State(graph, scales, stats, layers, prefix=layer_of(attach))
+    state = _State(graph, scales, stats, layers, prefix=layer_of(attach), moments=bool(moments))
     state.requires = _requires_grad_map(graph)
     points = scale_points(graph, cfg, state.requires)
     if cfg.scaling.placement == "predicted":
         points = [p for p in points if p.underflow > cfg.scaling.gamma]
-    gm.meta["autoscale_scales_input"] = list(graph.find_nodes(op="placeholder")).index(scales)
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    gm.meta["autoscale_scales_input"] = placeholders.index(scales)
     gm.meta["autoscale_initial_scales"] = _initial_scales(points, state, headroom(cfg.scaling.margin))
     graph.erase_node(attach)
     for point in points:
         state.scale_point(point.node, point.reason)
     aligned = state.carry()
     unscaled = state.unscale_parameters()
+    # the inputs whose gradients leave through an unscale point, checked for inf/nan on the way
+    position = {p: i for i, p in enumerate(placeholders)}
+    gm.meta["autoscale_checked_inputs"] = [position[p] for p in unscaled]
     return PassResult(gm, modified=True, counts={
-        "scale_points": len(points), "aligned": aligned, "unscaled": unscaled})
+        "scale_points": len(points), "aligned": aligned, "unscaled": len(unscaled)})
 
 
 @dataclass(frozen=True)
@@ -143,8 +147,9 @@ def _point(node: Node, reason: str, governed: list[Node]) -> ScalePoint:
 class _State:
     """The scaler's state nodes in this graph, and the rescale nodes placed so far."""
 
-    def __init__(self, graph: Graph, scales: Node, stats: Node, layers: list[str], prefix: str) -> None:
-        self.graph, self.scales, self.stats, self.layers = graph, scales, stats, layers
+    def __init__(self, graph: Graph, scales: Node, stats: Node, layers: list[str], prefix: str, moments: bool) -> None:
+        self.graph, self.scales, self.stats, self.moments = graph, scales, stats, moments
+        self.rows = {name: row for row, name in enumerate(layers)}
         self.prefix = prefix  # the path of the scaler's model in this graph ("" when compiled directly)
         self.sends: dict[Node, Rows] = {}  # rescale node -> the scale it sends to its input
         self.requires: dict[Node, bool] = {}
@@ -154,15 +159,16 @@ class _State:
         path = layer_of(node)
         if self.prefix:
             path = "" if path == self.prefix else path.removeprefix(self.prefix + ".")
-        while path not in self.layers and path:
+        while path not in self.rows and path:
             path = path.rpartition(".")[0]
-        return self.layers.index(path) if path in self.layers else LOSS_ROW
+        return self.rows.get(path, LOSS_ROW)
 
     def _rescale(self, x: Node, out_rows: Rows, in_rows: Rows, record: Rows, *, after: Node, like: Node,
                  reason: str, weight_grad: bool = False) -> Node:
         with self.graph.inserting_after(after):
             node = self.graph.call_function(rescale, (x, self.scales, self.stats, tuple(sorted(out_rows)),
-                                                      tuple(sorted(in_rows)), tuple(sorted(record)), weight_grad))
+                                                      tuple(sorted(in_rows)), tuple(sorted(record)), weight_grad,
+                                                      self.moments))
         for key in ("nn_module_stack", "stack_trace"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]
@@ -209,23 +215,23 @@ class _State:
             return self.sends[user]
         return self.carried.get(user)
 
-    def unscale_parameters(self) -> int:
-        """Each gradient-requiring input leaves carrying exactly the loss scale."""
+    def unscale_parameters(self) -> list[Node]:
+        """Each gradient-requiring input leaves carrying exactly the loss scale; returns them."""
         placeholders = list(self.graph.find_nodes(op="placeholder"))
-        count = 0
+        unscaled = []
         for p in placeholders:
             if p not in self.carried:
                 continue
             rows = self.carried[p]
-            # A vector (a bias) records nothing: its gradient is a sum of G_y, whose overflow the
-            # weight's point already blames; skipping it saves a statistics update per step.
+            # A vector (a bias) records no statistics, only inf/nan: its gradient is a sum of G_y,
+            # whose magnitudes the weight's point records.
             val = tensor_val(p)
             record = rows | {self.row(p)} if isinstance(val, torch.Tensor) and val.dim() > 1 else frozenset()
             point = self._rescale(p, frozenset({LOSS_ROW}), rows, record, after=placeholders[-1],
                                   like=p, reason=f"unscale the gradient of {p.name}", weight_grad=True)
             redirect_uses(p, point)
-            count += 1
-        return count
+            unscaled.append(p)
+        return unscaled
 
 
 def _requires_grad(n: Node) -> bool:

@@ -1,19 +1,25 @@
 """The pass manager: runs the pipeline, and is the one place invariants are checked.
 
 A pass is a function ``verb_noun(gm, cfg) -> PassResult`` that rewrites ``gm.graph`` in place and
-says whether it changed it. After every pass that did, the manager lints and recompiles the
-module, refreshes the fake values (``node.meta["val"]``) and checks:
+says whether it changed it. It keeps the fake values (``node.meta["val"]``) of the nodes it creates
+or retypes up to date itself: re-propagating them through the whole graph after every pass cost
+~80% of the pipeline's time. After every pass that changed the graph, the manager lints and
+recompiles the module and checks:
 
 * every node the pass created records its provenance (``node.meta["autoscale"]["pass"]``);
 * the graph's outputs keep their dtypes and shapes (a pass may change how a value is computed,
-  never the module's interface).
+  never the module's interface);
+* with ``Config.verify``, that every recorded value's dtype and shape is what fake propagation
+  through the rewritten graph gives.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -77,6 +83,26 @@ class InvariantError(RuntimeError):
 
 def run_stage(gm: GraphModule, cfg: Config, stage: Stage, pipeline: Sequence[PassSpec]) -> list[PassRecord]:
     """Run the passes of ``pipeline`` that belong to ``stage`` on ``gm``, in order."""
+    with _cyclic_gc_paused():
+        return _run_stage(gm, cfg, stage, pipeline)
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """The passes allocate many small objects, and each of Python's full collections walks the
+    whole heap, which grows with the graph: with collection on, a 10,000-node graph took 30%
+    longer per node than a 1,000-node one. Reference counting still frees everything acyclic; the
+    cycles (erased FX nodes) are collected once collection resumes."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _run_stage(gm: GraphModule, cfg: Config, stage: Stage, pipeline: Sequence[PassSpec]) -> list[PassRecord]:
     _ensure_vals(gm)
     records = []
     for spec in pipeline:
@@ -91,9 +117,10 @@ def run_stage(gm: GraphModule, cfg: Config, stage: Stage, pipeline: Sequence[Pas
         if result.modified:
             gm.graph.lint()
             gm.recompile()
-            refresh_vals(gm)
             _check_provenance(gm.graph.nodes, before, spec.name)
             _check_signature(signature, _output_signature(gm), spec.name)
+            if cfg.verify:
+                _check_vals(gm, spec.name)
         records.append(PassRecord(spec.name, stage, result.modified, dict(result.counts),
                                   time.perf_counter() - start))
         log.debug("%s (%s): modified=%s %s", spec.name, stage, result.modified, dict(result.counts))
@@ -101,12 +128,12 @@ def run_stage(gm: GraphModule, cfg: Config, stage: Stage, pipeline: Sequence[Pas
 
 
 def _ensure_vals(gm: GraphModule) -> None:
-    """Give every node ``meta["val"]``: Dynamo's graphs carry it as ``example_value``; graphs
-    built by hand get it propagated from their inputs."""
+    """Give every node that is read ``meta["val"]``: Dynamo's graphs carry it as ``example_value``;
+    graphs built by hand get it propagated from their inputs."""
     for node in gm.graph.nodes:
         if "val" not in node.meta and "example_value" in node.meta:
             node.meta["val"] = node.meta["example_value"]
-    if any("val" not in n.meta for n in gm.graph.nodes if n.op != "output"):
+    if any("val" not in n.meta for n in gm.graph.nodes if n.op != "output" and n.users):  # (not e.g. attach: None)
         refresh_vals(gm)
 
 
@@ -130,6 +157,20 @@ def refresh_vals(gm: GraphModule) -> None:
     if len(modes) != 1:  # no fake inputs (or several modes): nothing to propagate in
         return
     _Propagate(gm, modes.pop()).propagate_dont_convert_inputs(*inputs)
+
+
+def _meta_of(val: Any) -> Any:
+    vals = val if isinstance(val, tuple | list) else (val,)
+    return tuple((v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else None for v in vals)
+
+
+def _check_vals(gm: GraphModule, pass_name: str) -> None:
+    recorded = {n: _meta_of(tensor_val(n)) for n in gm.graph.nodes}
+    refresh_vals(gm)
+    wrong = [f"{n.name} recorded {recorded[n]}, is {_meta_of(tensor_val(n))}"
+             for n in gm.graph.nodes if n.op != "output" and recorded[n] != _meta_of(tensor_val(n))]
+    if wrong:
+        raise InvariantError(f"pass {pass_name} left wrong fake values: {'; '.join(wrong[:5])}")
 
 
 def _output_signature(gm: GraphModule) -> list[Any]:

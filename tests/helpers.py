@@ -42,8 +42,9 @@ def capture(fn: Callable[..., Any], *inputs: Any) -> list[tuple[GraphModule, lis
 
 def rewrite(fn: Callable[..., Any], *inputs: Any, config: Config | None = None,
             pipeline: Sequence[PassSpec] = PIPELINE) -> GraphModule:
-    """The single Dynamo graph of ``fn(*inputs)`` after the pipeline's Dynamo stage."""
-    cfg = (config or Config(compute="native")).resolved(torch.device("cpu"))
+    """The single Dynamo graph of ``fn(*inputs)`` after the pipeline's Dynamo stage (verified:
+    every pass's recorded fake values are checked against a full propagation)."""
+    cfg = (config or Config(compute="native")).replace(verify=True).resolved(torch.device("cpu"))
     (gm, _), = capture(fn, *inputs)
     run_stage(gm, cfg, "dynamo", pipeline)
     return gm
@@ -85,7 +86,7 @@ def step_vs_fp32(model: torch.nn.Module, inputs: Sequence[torch.Tensor], targets
     """Run one step of ``model`` compiled with ``config`` (default: the eager executor) and one of
     an untouched copy in eager float32."""
     reference = twin(model)
-    backend = autoscale.backend(config or Config(executor="eager"))
+    backend = autoscale.backend(config or Config(executor="eager", verify=True))
     loss, grads = step(model, torch.compile(model, backend=backend), inputs, targets)
     ref_loss, ref_grads = step(reference, None, inputs, targets)
     return Comparison(backend, loss, grads, ref_loss, ref_grads)

@@ -22,7 +22,7 @@ CASES = {"mlp": mlp_case, "convnet": conv_case, "transformer": transformer_case}
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_numerics_against_eager_fp32(case: str, dtype: torch.dtype) -> None:
     model, inputs, targets = CASES[case]()
-    c = step_vs_fp32(model, inputs, targets, autoscale.Config(executor="eager", dtype=dtype))
+    c = step_vs_fp32(model, inputs, targets, autoscale.Config(executor="eager", verify=True, dtype=dtype))
     assert_matches_fp32(c, dtype)
     # ...and low precision really happened: the results are not float32's.
     assert not torch.equal(c.loss, c.ref_loss)
@@ -36,7 +36,7 @@ def test_convnet_buffers_follow_fp32() -> None:
     """Batch-norm statistics are deny-listed: running stats are updated in float32, like eager."""
     model, inputs, targets = conv_case()
     reference = twin(model)
-    step(model, torch.compile(model, backend=autoscale.backend(autoscale.Config(executor="eager"))),
+    step(model, torch.compile(model, backend=autoscale.backend(autoscale.Config(executor="eager", verify=True))),
          inputs, targets)
     step(reference, None, inputs, targets)
     for (name, buf), ref in zip(model.named_buffers(), reference.buffers(), strict=True):
@@ -47,7 +47,7 @@ def test_convnet_buffers_follow_fp32() -> None:
 
 def test_ten_training_steps_compile_once() -> None:
     model, inputs, targets = mlp_case()
-    backend = autoscale.backend(autoscale.Config(executor="eager"))
+    backend = autoscale.backend(autoscale.Config(executor="eager", verify=True))
     compiled = torch.compile(model, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
@@ -91,7 +91,7 @@ def test_named_backend_inductor_matches_eager_executor() -> None:
     eager_twin = twin(model)
     loss, grads = step(model, torch.compile(model, backend="autoscale"), inputs, targets)
     torch._dynamo.reset()
-    eager_backend = autoscale.backend(autoscale.Config(executor="eager"))
+    eager_backend = autoscale.backend(autoscale.Config(executor="eager", verify=True))
     eager_loss, eager_grads = step(eager_twin, torch.compile(eager_twin, backend=eager_backend), inputs, targets)
     assert sqnr(eager_loss, loss) >= SQNR_MIN_DB_SAME_GRAPH
     for name, ref in eager_grads.items():
@@ -122,7 +122,7 @@ def test_native_fp16_on_cuda() -> None:
 def test_report_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
     model, inputs, _ = mlp_case()
     with caplog.at_level(logging.INFO, logger="autoscale"):
-        torch.compile(model, backend=autoscale.backend(autoscale.Config(executor="eager")))(*inputs)
+        torch.compile(model, backend=autoscale.backend(autoscale.Config(executor="eager", verify=True)))(*inputs)
     (record,) = [r for r in caplog.records if r.name == "autoscale"]
     assert record.levelno == logging.INFO
     assert "converted 5 of 5 nodes to float16 using 8 casts" in record.getMessage()

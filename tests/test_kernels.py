@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autoscale.kernels.scale_grad import BLOCK, scale_grad_triton
-from autoscale.ops import scale_grad_reference
+from autoscale.ops import scale_and_measure, scale_grad_reference
 
 SPECIAL = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 6.1e-5, 65504.0, -65504.0, 65519.0, 1e-3,
            float("inf"), float("-inf"), float("nan")]
@@ -53,6 +53,25 @@ def test_kernel_matches_reference(size: int, data: st.DataObject, dtype: torch.d
     base = torch.tensor(fill or [0.0], dtype=torch.float32)
     grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
     _check(grad.to(DEVICE), factor, carried)
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=sizes, data=st.data(), dtype=st.sampled_from([torch.float16, torch.float32]),
+       factor=st.sampled_from([1.0, 2.0**10, 2.0**-10, 2.0**24, 2.0**-20]),
+       carried=st.sampled_from([1.0, 2.0**15, 2.0**-3]))
+def test_cpu_path_measures_what_the_reference_counts(size: int, data: st.DataObject, dtype: torch.dtype,
+                                                     factor: float, carried: float) -> None:
+    """The lean CPU path derives its flags from the finite maximum instead of counting: the same
+    answers as the oracle's counts, and the same output and statistics."""
+    fill = data.draw(st.lists(values, min_size=min(size, 64), max_size=min(size, 64)))
+    base = torch.tensor(fill or [0.0], dtype=torch.float32)
+    grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
+    f, c = torch.tensor(factor), torch.tensor(carried)
+    out, m = scale_and_measure(grad, f, c)
+    ref_out, fstats, counts = scale_grad_reference(grad, f, c)
+    assert torch.equal(out, ref_out)
+    assert [m.amax.item(), m.total.item(), m.squares.item()] == fstats.tolist()
+    assert (bool(m.arrived), bool(m.made), int(m.zeros)) == (counts[0] > 0, counts[3] > 0, int(counts[2]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

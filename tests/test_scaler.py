@@ -14,13 +14,14 @@ import torch.nn.functional as F
 
 import autoscale
 from autoscale import GradScaler, ScalingConfig
-from autoscale.ops import STAT
+from autoscale.ops import NUM_STATS, STAT
+from autoscale.scaler import adaptive_update
 from benchmarks.stress_underflow import best_global_scale, run, table
 from tests.helpers import Comparison, assert_matches_fp32, keeps_roundings, step
 from tests.models import mlp_case
 
-EAGER = autoscale.Config(executor="eager")
-EVERYWHERE = autoscale.Config(executor="eager", scaling=ScalingConfig(placement="all"))  # placement is compile-time
+EAGER = autoscale.Config(executor="eager", verify=True)
+EVERYWHERE = autoscale.Config(executor="eager", verify=True, scaling=ScalingConfig(placement="all"))  # placement is compile-time
 
 
 def _train_steps(model: nn.Module, scaler: GradScaler, opt: torch.optim.Optimizer, compiled: nn.Module,
@@ -178,6 +179,30 @@ def test_inf_in_one_layer_skips_the_step_and_backs_off_only_that_layer() -> None
     assert _train_steps(model, scaler, opt, compiled, x, y, 2) == [False, False]  # recovers
 
 
+@pytest.mark.parametrize("due", [True, False])
+def test_adaptive_update_rule(due: bool) -> None:
+    """Row by row: a measured row gets 2^floor(log2(headroom/amax)); a flagged row halves and, with
+    it, no row is measured (the step overflowed); statistics clear when used; the loss row stays."""
+    def state(nonfinite: float) -> tuple[torch.Tensor, ...]:
+        stats = torch.zeros(4, NUM_STATS)
+        stats[:, STAT["amax"]] = torch.tensor([1.0, 3.0, 0.0, 0.5])  # row 2 recorded nothing
+        stats[3, STAT["nonfinite"]] = nonfinite
+        return torch.tensor([1.0, 8.0, 8.0, 8.0]), stats, torch.zeros(4, NUM_STATS), torch.zeros(4), torch.zeros(())
+    kw = {"due": due, "backoff": 0.5, "high": 2.0**40, "headroom": 1000.0}
+
+    scales, stats, last, overflows, skips = state(nonfinite=0.0)
+    overflow = adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, **kw)
+    assert not overflow and skips.item() == 0
+    assert scales.tolist() == ([1.0, 256.0, 8.0, 1024.0] if due else [1.0, 8.0, 8.0, 8.0])  # 1000/3 -> 256
+    assert stats.abs().sum().item() == (0.0 if due else 4.5)  # cleared only when used
+
+    scales, stats, last, overflows, skips = state(nonfinite=2.0)
+    overflow = adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, **kw)
+    assert overflow and skips.item() == 1 and overflows.tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert scales.tolist() == [1.0, 8.0, 8.0, 4.0]  # only the flagged row moves
+    assert stats[3].abs().sum().item() == 0.0  # the flagged row's statistics are dropped
+
+
 def _inject_grads_inf(model: nn.Module) -> None:
     next(model.parameters()).grad[0, 0] = float("inf")
 
@@ -284,6 +309,38 @@ def test_fused_optimizer_protocol_needs_no_host_sync(monkeypatch: pytest.MonkeyP
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
+def test_step_skips_the_pass_over_gradients_the_graph_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients that left the compiled graph through an unscale point were checked there; step()
+    reads only the others — and an inf in one of those still skips the step."""
+    model, (x,), y = mlp_case()
+    temperature = nn.Parameter(torch.ones(()))  # used outside the compiled graph
+    scaler = GradScaler(model)
+    compiled = torch.compile(model, backend=autoscale.backend(EAGER))
+    params = [*model.parameters(), temperature]
+    opt = torch.optim.SGD(params, lr=1e-2)
+    checked: list[int] = []
+    real = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def counting(grads: list[torch.Tensor], found: torch.Tensor, inv: torch.Tensor) -> None:
+        checked.append(len(grads))
+        real(grads, found, inv)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", counting)
+    for inject in (False, True):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(F.cross_entropy(compiled(x) * temperature, y)).backward()
+        if inject:
+            temperature.grad.fill_(float("inf"))
+        before = [p.detach().clone() for p in params]
+        scaler.step(opt)
+        scaler.update()
+        changed = any(not torch.equal(a, p) for a, p in zip(before, params, strict=True))
+        assert changed is not inject
+    assert checked == [1, 1]  # the eager parameter only: the MLP's six were checked in the graph
+    assert scaler.skipped_steps == 1
+    assert len(scaler._state.checked) == len(list(model.parameters()))  # type: ignore[union-attr]
+
+
 def test_telemetry_log(tmp_path: Path) -> None:
     model, (x,), y = mlp_case()
     log = tmp_path / "telemetry.jsonl"
@@ -352,7 +409,7 @@ def test_calibrated_compile_scales_the_stress_model_from_the_first_step() -> Non
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x), y).backward()
     scaler = GradScaler(model)
-    config = autoscale.Config(executor="eager", scaling=ScalingConfig(calibrate=True))
+    config = autoscale.Config(executor="eager", verify=True, scaling=ScalingConfig(calibrate=True))
     compiled = torch.compile(model, backend=autoscale.backend(config))
     scaler.scale(F.cross_entropy(compiled(x), y)).backward()
     assert max(underflow_rates(model, reference)) <= 1e-3

@@ -10,10 +10,10 @@ pass computes
 where *underflowed* counts elements that were non-zero and finite in g and became exactly zero in
 ``out`` (a scale below 1, or a narrower output dtype, pushed them under the smallest subnormal).
 
-``autoscale.ops.scale_grad_reference`` is the pure-torch version: the CPU path and the test
-oracle. The Triton kernel must match it exactly for ``out`` and ``counts`` and to float32 rounding
-for the sums (it adds per-block partial sums atomically, in another order). ``autoscale::scale_grad``
-(a ``torch.library.triton_op``) launches the kernel on CUDA through ``wrap_triton``, so Dynamo,
+``autoscale.ops.scale_grad_reference`` is the pure-torch version and the test oracle. The Triton
+kernel must match it exactly for ``out`` and ``counts`` and to float32 rounding for the sums (it
+adds per-block partial sums atomically, in another order). ``autoscale::scale_grad`` (a
+``torch.library.triton_op``) launches the kernel on CUDA through ``wrap_triton``, so Dynamo,
 AOTAutograd and Inductor see the kernel itself, not an opaque call.
 """
 

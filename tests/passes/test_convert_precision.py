@@ -208,7 +208,7 @@ def test_inplace_on_graph_input_is_left_alone_and_correct() -> None:
 
     a, b = x.clone(), x.clone()
     expected = f(a)
-    got = torch.compile(f, backend=autoscale.backend(autoscale.Config(executor="eager")))(b)
+    got = torch.compile(f, backend=autoscale.backend(autoscale.Config(executor="eager", verify=True)))(b)
     assert torch.equal(a, b)  # the caller's tensor was mutated exactly as in eager
     assert sqnr(expected, got) >= SQNR_MIN_DB[(torch.float16, "output")]
 
@@ -224,7 +224,7 @@ def test_chained_inplace_on_graph_input_keeps_every_mutation() -> None:
     x = torch.randn(2, 4)
     a, b = x.clone(), x.clone()
     expected = f(a)
-    got = torch.compile(f, backend=autoscale.backend(autoscale.Config(executor="eager")))(b)
+    got = torch.compile(f, backend=autoscale.backend(autoscale.Config(executor="eager", verify=True)))(b)
     assert torch.equal(a, b) and torch.equal(a, (x - 0.5).relu())
     assert sqnr(expected, got) >= SQNR_MIN_DB[(torch.float16, "output")]
 

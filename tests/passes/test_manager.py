@@ -8,7 +8,7 @@ from torch.fx import GraphModule
 
 import autoscale
 from autoscale.passes import InvariantError, PassResult, PassSpec, run_stage
-from autoscale.passes.graph_utils import provenance
+from autoscale.passes.graph_utils import provenance, retyped
 from tests.helpers import capture
 from tests.models import mlp_case
 
@@ -19,13 +19,15 @@ def _graph() -> GraphModule:
     return gm
 
 
-def _relu_after_first_linear(gm: GraphModule, *, record: bool) -> PassResult:
+def _relu_after_first_linear(gm: GraphModule, *, record: bool, val: bool = True) -> PassResult:
     linear = next(n for n in gm.graph.nodes if n.op == "call_function")
     with gm.graph.inserting_after(linear):
         extra = gm.graph.call_function(torch.relu, (linear,))
     linear.replace_all_uses_with(extra, delete_user_cb=lambda u: u is not extra)
     if record:
         provenance(extra, "adds_relu", "test", created=True)
+    if val:
+        extra.meta["val"] = retyped(linear.meta["val"], torch.float16)  # wrong on purpose: relu keeps float32
     return PassResult(gm, modified=True)
 
 
@@ -37,7 +39,9 @@ def test_created_nodes_need_provenance() -> None:
         run_stage(_graph(), autoscale.Config(), "dynamo", [PassSpec(adds_relu, "dynamo")])
 
 
-def test_provenance_satisfies_the_check_and_vals_are_refreshed() -> None:
+def test_passes_record_fake_values_and_verify_checks_them() -> None:
+    """Passes keep the fake values of what they create; ``Config.verify`` re-propagates the graph
+    and refuses a value that is wrong (here, a float16 recorded for a float32 relu)."""
     def adds_relu(gm: GraphModule, cfg: autoscale.Config) -> PassResult:
         return _relu_after_first_linear(gm, record=True)
 
@@ -45,8 +49,10 @@ def test_provenance_satisfies_the_check_and_vals_are_refreshed() -> None:
     (record,) = run_stage(gm, autoscale.Config(), "dynamo", [PassSpec(adds_relu, "dynamo")])
     assert record.modified
     relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
-    assert relu.meta["val"].shape == (8, 32)  # fake value propagated by the manager
+    assert relu.meta["val"].dtype == torch.float16  # trusted: no re-propagation without verify
     assert relu.meta["autoscale"] == {"pass": "adds_relu", "layer": "", "reason": "test", "created": True}
+    with pytest.raises(InvariantError, match=r"adds_relu left wrong fake values: relu\w* recorded .*float16.*, is .*float32"):
+        run_stage(_graph(), autoscale.Config(verify=True), "dynamo", [PassSpec(adds_relu, "dynamo")])
 
 
 def test_output_dtype_change_is_refused() -> None:

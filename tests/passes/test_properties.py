@@ -124,7 +124,7 @@ def test_random_graphs_dynamo_stage(net: tuple[list[str], int], compute: str, dt
     ops, save = net
     torch.manual_seed(0)
     model, x = RandomNet(ops, save), torch.randn(4, WIDTH)
-    cfg = autoscale.Config(compute=compute, dtype=dtype)
+    cfg = autoscale.Config(compute=compute, dtype=dtype, verify=True)
     gm = rewrite(model, x, config=cfg)
 
     _check_painting(gm, cfg.dtype, emulated=compute == "emulate")
@@ -155,7 +155,7 @@ def test_random_graphs_joint_stage(net: tuple[list[str], int]) -> None:
     torch.manual_seed(0)
     model, x = RandomNet(ops, save), torch.randn(4, WIDTH, requires_grad=True)
     joints: list[GraphModule] = []
-    backend = autoscale.Backend(autoscale.Config(executor="eager", compute="native"),
+    backend = autoscale.Backend(autoscale.Config(executor="eager", verify=True, compute="native"),
                                 pipeline=(*PIPELINE, _record_joint(joints)))
     torch._dynamo.reset()
     torch.compile(model, backend=backend)(x).sum().backward()
