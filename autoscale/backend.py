@@ -127,7 +127,7 @@ def _seed_scales(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
 def _register_checked(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
     """Tell the scaler's state which inputs' gradients this graph checks for inf/nan, so that
     ``GradScaler.step`` does not make another pass over them."""
-    checked = gm.meta.get("autoscale_checked_inputs")
+    checked: list[int] = gm.meta.get("autoscale_checked_inputs", [])
     state = state_of(example_inputs[gm.meta["autoscale_scales_input"]]) if checked else None
     if state is not None:
         for i in checked:

@@ -21,7 +21,8 @@ from tests.helpers import Comparison, assert_matches_fp32, keeps_roundings, step
 from tests.models import mlp_case
 
 EAGER = autoscale.Config(executor="eager", verify=True)
-EVERYWHERE = autoscale.Config(executor="eager", verify=True, scaling=ScalingConfig(placement="all"))  # placement is compile-time
+# placement is compile-time
+EVERYWHERE = autoscale.Config(executor="eager", verify=True, scaling=ScalingConfig(placement="all"))
 
 
 def _train_steps(model: nn.Module, scaler: GradScaler, opt: torch.optim.Optimizer, compiled: nn.Module,

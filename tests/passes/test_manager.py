@@ -51,7 +51,8 @@ def test_passes_record_fake_values_and_verify_checks_them() -> None:
     relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
     assert relu.meta["val"].dtype == torch.float16  # trusted: no re-propagation without verify
     assert relu.meta["autoscale"] == {"pass": "adds_relu", "layer": "", "reason": "test", "created": True}
-    with pytest.raises(InvariantError, match=r"adds_relu left wrong fake values: relu\w* recorded .*float16.*, is .*float32"):
+    wrong = r"adds_relu left wrong fake values: relu\w* recorded .*float16.*, is .*float32"
+    with pytest.raises(InvariantError, match=wrong):
         run_stage(_graph(), autoscale.Config(verify=True), "dynamo", [PassSpec(adds_relu, "dynamo")])
 
 
