@@ -183,6 +183,11 @@ class _State:
         point = self._rescale(target, row, frozenset(), row, after=target, like=target, reason=reason)
         redirect_uses(target, point)
 
+    def _position(self, node: Node) -> int:
+        if not hasattr(self, "_order"):
+            self._order = {n: i for i, n in enumerate(self.graph.nodes)}
+        return self._order[node]
+
     def carry(self) -> int:
         """Compute the scale each gradient carries, outputs to inputs; align at merges. Fills in
         the scale every scale point receives."""
@@ -227,7 +232,12 @@ class _State:
             # whose magnitudes the weight's point records.
             val = tensor_val(p)
             record = rows | {self.row(p)} if isinstance(val, torch.Tensor) and val.dim() > 1 else frozenset()
-            point = self._rescale(p, frozenset({LOSS_ROW}), rows, record, after=placeholders[-1],
+            # Placed right before the parameter's first use, not after the inputs: autograd runs
+            # later-created nodes first, so the unscale then runs as soon as dW exists, while it is
+            # still in cache (at the top of the graph, all unscales ran at the end of the backward,
+            # in one kernel reading every dW back from memory: +12% step time on the full MLP).
+            first_use = min(p.users, key=self._position)
+            point = self._rescale(p, frozenset({LOSS_ROW}), rows, record, after=first_use.prev,
                                   like=p, reason=f"unscale the gradient of {p.name}", weight_grad=True)
             redirect_uses(p, point)
             unscaled.append(p)
