@@ -75,7 +75,7 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     gm.meta["autoscale_initial_scales"] = _initial_scales(points, state, headroom(cfg.scaling.margin))
     graph.erase_node(attach)
     for point in points:
-        state.scale_point(point.node, point.reason)
+        state.scale_point(point)
     aligned = state.carry()
     unscaled = state.unscale_parameters()
     # the inputs whose gradients leave through an unscale point, checked for inf/nan on the way
@@ -88,12 +88,14 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
 @dataclass(frozen=True)
 class ScalePoint:
     """Where a scale point goes, why, and what the analysis predicts for the gradients it governs
-    (at scale 1): the worst underflow rate, and the largest magnitude (None when unknown)."""
+    (at scale 1): the worst underflow rate, and the largest magnitude (None when unknown).
+    ``layer`` is the node whose module gives the point its row (``node`` unless merged)."""
 
     node: Node
     reason: str
     underflow: float
     amax: float | None
+    layer: Node
 
 
 def _initial_scales(points: list[ScalePoint], state: _State, headroom: float) -> dict[int, float]:
@@ -101,7 +103,7 @@ def _initial_scales(points: list[ScalePoint], state: _State, headroom: float) ->
     amax: dict[int, float] = {}
     for p in points:
         if p.amax is not None and p.amax > 0:
-            row = state.row(p.node)
+            row = state.row(p.layer)
             amax[row] = max(amax.get(row, 0.0), p.amax)
     return {row: 2.0 ** math.floor(math.log2(headroom / a)) for row, a in amax.items()}
 
@@ -112,11 +114,14 @@ def scale_points(graph: Graph, cfg: Config, requires: dict[Node, bool] | None = 
     The low-precision output of an allow-list op (after ``emulate_compute``, the cast that rounds
     it): it governs the op's incoming gradient and the gradients of its inputs (G_x, dW). And a
     cast out of low precision inserted by the precision pass: it governs the gradient its
-    backward rounds into low precision.
+    backward rounds into low precision. Where such a cast is the only reader of an allow-list op's
+    output (a convolution feeding float32 batch norm), the two would scale the same gradient one
+    after the other: they are one point, on the cast (before the rounding), with the op's row.
     """
     low = cfg.dtype
     requires = requires if requires is not None else _requires_grad_map(graph)
-    points = []
+    points: list[ScalePoint] = []
+    gemm_points: dict[Node, tuple[int, list[Node], str]] = {}  # target -> (index, governed, op name)
     for n in graph.nodes:
         if not requires[n] or n.op not in ("call_function", "call_method"):
             continue
@@ -129,19 +134,28 @@ def scale_points(graph: Graph, cfg: Config, requires: dict[Node, bool] | None = 
             else:
                 continue
             governed = [target, *(a for a in n.all_input_nodes if requires.get(a))]
+            gemm_points[target] = (len(points), governed, n.name)
             points.append(_point(target, f"gradient into the backward GEMMs of {n.name}", governed))
         elif n.meta.get(PROVENANCE_KEY, {}).get("pass") == "convert_precision":
             cast = cast_of(n)
-            if cast is not None and float_dtype(cast[0]) == low and cast[1] == torch.float32:
+            if cast is None or float_dtype(cast[0]) != low or cast[1] != torch.float32:
+                continue
+            source = cast[0]
+            if source in gemm_points and len(source.users) == 1:
+                index, governed, name = gemm_points.pop(source)
+                points[index] = _point(n, f"gradient into the backward GEMMs of {name}, scaled before it is "
+                                          f"cast into {dtype_name(low)} for {n.name}", [n, *governed], layer=source)
+            else:
                 points.append(_point(n, f"gradient cast into {dtype_name(low)} for {n.name}", [n]))
     return points
 
 
-def _point(node: Node, reason: str, governed: list[Node]) -> ScalePoint:
+def _point(node: Node, reason: str, governed: list[Node], layer: Node | None = None) -> ScalePoint:
     grads = [n.meta.get(MOMENTS_KEY, {}).get("grad") for n in governed]
     rates = [n.meta.get("autoscale_underflow", 1.0) for n in governed]
     known = [g.amax for g in grads if g is not None]
-    return ScalePoint(node, reason, max(rates), max(known) if len(known) == len(grads) else None)
+    return ScalePoint(node, reason, max(rates), max(known) if len(known) == len(grads) else None,
+                      layer if layer is not None else node)
 
 
 class _State:
@@ -178,10 +192,10 @@ class _State:
         self.sends[node] = out_rows
         return node
 
-    def scale_point(self, target: Node, reason: str) -> None:
-        row = frozenset({self.row(target)})
-        point = self._rescale(target, row, frozenset(), row, after=target, like=target, reason=reason)
-        redirect_uses(target, point)
+    def scale_point(self, p: ScalePoint) -> None:
+        row = frozenset({self.row(p.layer)})
+        point = self._rescale(p.node, row, frozenset(), row, after=p.node, like=p.layer, reason=p.reason)
+        redirect_uses(p.node, point)
 
     def _position(self, node: Node) -> int:
         if not hasattr(self, "_order"):

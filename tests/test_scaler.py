@@ -18,7 +18,7 @@ from autoscale.ops import NUM_STATS, STAT
 from autoscale.scaler import adaptive_update
 from benchmarks.stress_underflow import best_global_scale, run, table
 from tests.helpers import Comparison, assert_matches_fp32, keeps_roundings, step
-from tests.models import mlp_case
+from tests.models import conv_case, mlp_case
 
 EAGER = autoscale.Config(executor="eager", verify=True)
 # placement is compile-time
@@ -110,6 +110,19 @@ def test_residual_network_aligns_merges_trains_and_matches_fp32() -> None:
     _train_steps(model, scaler, opt, compiled, x, y, 20)
     losses.append(F.cross_entropy(compiled(x), y).item())
     assert losses[1] < losses[0]
+
+
+def test_a_convolution_feeding_float32_batch_norm_gets_one_point_on_the_cast() -> None:
+    """conv (float16) -> cast to float32 -> batch norm: one scale point per conv, on the cast's float32
+    side (before the rounding into float16), in the conv's row — not two points in a row."""
+    model, (x,), y = conv_case()
+    scaler = GradScaler(model)
+    backend = autoscale.backend(EVERYWHERE)
+    _train_steps(model, scaler, torch.optim.SGD(model.parameters(), lr=0.0), torch.compile(model, backend=backend),
+                 x, y, 1)
+    counts = {r.name: r.counts for r in backend.records[0].passes}
+    assert counts["insert_grad_scaling"]["scale_points"] == 4  # stem, block.conv1, block.conv2, head
+    assert {r.name for r in scaler.layers()} >= {"stem", "block.conv1", "block.conv2", "head"}
 
 
 def test_twenty_steps_with_changing_scales_compile_once() -> None:
