@@ -79,7 +79,7 @@ class Backend:
             calibrate(gm, example_inputs)
         passes = run_stage(gm, cfg, "dynamo", self.pipeline)
         _seed_scales(gm, example_inputs)
-        _register_checked(gm, example_inputs)
+        _register(gm, example_inputs)
         report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
         record = CompileRecord(cfg, report, passes)
         self.records.append(record)
@@ -124,14 +124,16 @@ def _seed_scales(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
                 scales[row] = value
 
 
-def _register_checked(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
-    """Tell the scaler's state which inputs' gradients this graph checks for inf/nan, so that
-    ``GradScaler.step`` does not make another pass over them."""
-    checked: list[int] = gm.meta.get("autoscale_checked_inputs", [])
-    state = state_of(example_inputs[gm.meta["autoscale_scales_input"]]) if checked else None
-    if state is not None:
-        for i in checked:
-            state.checked[example_inputs[i]] = True
+def _register(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Tell the scaler's state that a graph serves it, and which inputs' gradients that graph checks
+    for inf/nan, so that ``GradScaler.step`` does not make another pass over them."""
+    index = gm.meta.get("autoscale_scales_input")
+    state = state_of(example_inputs[index]) if index is not None else None
+    if state is None:
+        return
+    state.graphs += 1
+    for i in gm.meta.get("autoscale_checked_inputs", []):
+        state.checked[example_inputs[i]] = True
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:

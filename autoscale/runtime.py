@@ -41,6 +41,7 @@ class ScaleState:
         # Tensors whose gradients a compiled graph checks for inf/nan as it unscales them (the
         # backend registers them), so GradScaler.step need not read them again.
         self.checked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.graphs = 0  # graphs the backend compiled against this state
         self.layers: tuple[str, ...] = (_LOSS_NAME, *layer_names)
         self.layout = LAYOUT_SEP.join(self.layers)
         device = next((p.device for p in root.parameters()), torch.device("cpu"))

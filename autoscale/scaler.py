@@ -239,10 +239,10 @@ class GradScaler:
         return (flagged > 0).float()
 
     def _check_instrumented(self) -> None:
-        """Warn, once, when the backward recorded nothing: the model is not compiled by autoscale."""
+        """Warn, once, when no compiled graph serves this scaler: the model is not compiled by autoscale."""
         assert self._state is not None
-        if not float(self._state.stats[:, STAT["count"]].sum()):
-            log.warning("GradScaler: the backward recorded no per-layer statistics, so no layer was scaled; "
+        if not self._state.graphs:
+            log.warning("GradScaler: no graph compiled by autoscale uses this model's scales, so no layer was scaled; "
                         "compile the model with torch.compile(model, backend='autoscale') and create the "
                         "GradScaler before its first forward")
 

@@ -235,13 +235,19 @@ class _State:
         return self.carried.get(user)
 
     def unscale_parameters(self) -> list[Node]:
-        """Each gradient-requiring input leaves carrying exactly the loss scale; returns them."""
+        """Each gradient-requiring input leaves carrying exactly the loss scale; returns those that
+        needed an unscale point (and were checked for inf/nan by it)."""
         placeholders = list(self.graph.find_nodes(op="placeholder"))
         unscaled = []
         for p in placeholders:
             if p not in self.carried:
                 continue
             rows = self.carried[p]
+            if rows == {LOSS_ROW}:
+                # Already at the loss scale: unscaling would multiply by 1 and write a copy of the
+                # gradient just to check it. GradScaler.step checks it instead, reading it once
+                # (the point pays for itself only where it must multiply anyway).
+                continue
             # A vector (a bias) records no statistics, only inf/nan: its gradient is a sum of G_y,
             # whose magnitudes the weight's point records.
             val = tensor_val(p)

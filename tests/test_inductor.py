@@ -17,7 +17,7 @@ from tests.models import mlp_case
 def test_scaled_training_step_has_no_graph_breaks_and_fuses_the_scaling() -> None:
     model, (x,), y = mlp_case()
     scaler = autoscale.GradScaler(model)
-    backend = autoscale.backend()
+    backend = autoscale.backend(autoscale.Config(scaling=autoscale.ScalingConfig(placement="all")))
     compiled = torch.compile(model, backend=backend)
     counters.clear()
     _, (forward, backward) = run_fw_bw_and_get_code(lambda: scaler.scale(F.cross_entropy(compiled(x), y)))
