@@ -166,8 +166,8 @@ class _Rescale(torch.autograd.Function):
         # (a bias's unscale point records none: its weight's point does). Non-finite values are
         # blamed on the scale that produced them: those that arrived non-finite were made under
         # ``in_rows``; those this point made, by ``out_rows`` (``out`` has them zeroed, so the rest
-        # of the backward does not blame every layer below; the step is skipped anyway). So every
-        # gradient leaving the graph has been checked, and ``GradScaler.step`` need not read it.
+        # of the backward does not blame every layer below; the step is skipped anyway). So a
+        # gradient leaving through an unscale point is checked, and ``GradScaler.step`` skips it.
         zero = torch.zeros((), device=grad.device)
         elements = torch.full((), float(grad.numel()), device=grad.device)
         # (Σ g and Σ g² only for a rule that reads them: unused, Inductor drops their reductions)

@@ -70,8 +70,7 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     points = scale_points(graph, cfg, state.requires)
     if cfg.scaling.placement == "predicted":
         points = [p for p in points if p.underflow > cfg.scaling.gamma]
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    gm.meta["autoscale_scales_input"] = placeholders.index(scales)
+    gm.meta["autoscale_scales_input"] = list(graph.find_nodes(op="placeholder")).index(scales)
     gm.meta["autoscale_initial_scales"] = _initial_scales(points, state, headroom(cfg.scaling.margin))
     graph.erase_node(attach)
     for point in points:
@@ -79,8 +78,7 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     aligned = state.carry()
     unscaled = state.unscale_parameters()
     # the inputs whose gradients leave through an unscale point, checked for inf/nan on the way
-    position = {p: i for i, p in enumerate(placeholders)}
-    gm.meta["autoscale_checked_inputs"] = [position[p] for p in unscaled]
+    gm.meta["autoscale_checked_inputs"] = unscaled
     return PassResult(gm, modified=True, counts={
         "scale_points": len(points), "aligned": aligned, "unscaled": len(unscaled)})
 
@@ -197,11 +195,6 @@ class _State:
         point = self._rescale(p.node, row, frozenset(), row, after=p.node, like=p.layer, reason=p.reason)
         redirect_uses(p.node, point)
 
-    def _position(self, node: Node) -> int:
-        if not hasattr(self, "_order"):
-            self._order = {n: i for i, n in enumerate(self.graph.nodes)}
-        return self._order[node]
-
     def carry(self) -> int:
         """Compute the scale each gradient carries, outputs to inputs; align at merges. Fills in
         the scale every scale point receives."""
@@ -234,12 +227,12 @@ class _State:
             return self.sends[user]
         return self.carried.get(user)
 
-    def unscale_parameters(self) -> list[Node]:
-        """Each gradient-requiring input leaves carrying exactly the loss scale; returns those that
-        needed an unscale point (and were checked for inf/nan by it)."""
-        placeholders = list(self.graph.find_nodes(op="placeholder"))
+    def unscale_parameters(self) -> list[int]:
+        """Each gradient-requiring input leaves carrying exactly the loss scale; returns the input
+        positions of those that needed an unscale point (and were checked for inf/nan by it)."""
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
         unscaled = []
-        for p in placeholders:
+        for index, p in enumerate(self.graph.find_nodes(op="placeholder")):
             if p not in self.carried:
                 continue
             rows = self.carried[p]
@@ -256,11 +249,11 @@ class _State:
             # later-created nodes first, so the unscale then runs as soon as dW exists, while it is
             # still in cache (at the top of the graph, all unscales ran at the end of the backward,
             # in one kernel reading every dW back from memory: +12% step time on the full MLP).
-            first_use = min(p.users, key=self._position)
+            first_use = min(p.users, key=order.__getitem__)
             point = self._rescale(p, frozenset({LOSS_ROW}), rows, record, after=first_use.prev,
                                   like=p, reason=f"unscale the gradient of {p.name}", weight_grad=True)
             redirect_uses(p, point)
-            unscaled.append(p)
+            unscaled.append(index)
         return unscaled
 
 
