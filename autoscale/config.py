@@ -8,6 +8,8 @@ site rather than deep inside a compile.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -140,9 +142,9 @@ class Config:
         if not isinstance(self.scaling, ScalingConfig):
             raise ValueError(f"Config.scaling must be a ScalingConfig, got {type(self.scaling).__name__}")
 
-    @property
-    def op_overrides(self) -> dict[str, str]:
-        """Op name -> category for the user's table extensions."""
+    @functools.cached_property
+    def op_overrides(self) -> Mapping[str, str]:
+        """Op name -> category for the user's table extensions (built once: passes ask per node)."""
         return {op: cat for cat in ("allow", "deny", "infer", "clear") for op in getattr(self, cat)}
 
     def resolved(self, device: torch.device) -> Config:

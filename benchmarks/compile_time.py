@@ -1,11 +1,11 @@
 """Compile time of autoscale's passes against Inductor's, as the graph grows.
 
-    python -m benchmarks.compile_time [--inductor-max NODES]   # writes docs/results/compile_time.md
+    python -m benchmarks.compile_time [--inductor-max NODES] [--repeats N]   # writes docs/results/compile_time.md
 
 Graphs: an MLP chain of Linear + GELU layers with an autoscale.GradScaler attached (so every pass
 has work: painting, emulation, the analysis, scale points), sized from ~100 to ~10,000 Dynamo
 nodes. "passes" is the whole Dynamo stage of the pipeline on the captured graph, invariant checks
-included; "Inductor" is torch.compile's default backend compiling the same model's forward and
+included, as the median of --repeats runs, each on a fresh capture; "Inductor" is torch.compile's default backend compiling the same model's forward and
 backward (cold: caches off), for sizes up to --inductor-max nodes (it takes minutes beyond that
 on a 2-core CPU). Targets: passes ≤ 10% of Inductor's time; 10k nodes < 2 s; growth linear.
 """
@@ -13,6 +13,8 @@ on a 2-core CPU). Targets: passes ≤ 10% of Inductor's time; 10k nodes < 2 s; g
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -49,16 +51,22 @@ def capture(model: nn.Module, x: torch.Tensor) -> tuple[GraphModule, list[Any]]:
     return graphs[0]
 
 
-def passes_seconds(layers: int) -> tuple[int, float]:
-    model, x = chain(layers)
-    autoscale.GradScaler(model)
-    gm, example = capture(model, x)
-    nodes = len(gm.graph.nodes)
-    cfg = autoscale.Config().resolved(torch.device("cpu"))
-    start = time.perf_counter()
-    seed_inputs(gm, example)
-    run_stage(gm, cfg, "dynamo", PIPELINE)
-    return nodes, time.perf_counter() - start
+def passes_seconds(layers: int, repeats: int) -> tuple[int, list[float]]:
+    """The passes' time on ``repeats`` fresh captures of the same model (a capture is rewritten in
+    place, so each run needs its own)."""
+    times = []
+    for _ in range(repeats):
+        model, x = chain(layers)
+        autoscale.GradScaler(model)
+        gm, example = capture(model, x)
+        nodes = len(gm.graph.nodes)
+        cfg = autoscale.Config().resolved(torch.device("cpu"))
+        gc.collect()  # the previous run's garbage is not this run's cost
+        start = time.perf_counter()
+        seed_inputs(gm, example)
+        run_stage(gm, cfg, "dynamo", PIPELINE)
+        times.append(time.perf_counter() - start)
+    return nodes, times
 
 
 def inductor_seconds(layers: int) -> float:
@@ -74,14 +82,16 @@ def inductor_seconds(layers: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inductor-max", type=int, default=1000, help="largest graph (nodes) to compile with Inductor")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the passes per size (median reported)")
     args = parser.parse_args()
-    lines = ["| Dynamo nodes | autoscale passes | per node | Inductor compile | passes / Inductor |",
-             "|---|---|---|---|---|"]
+    lines = ["| Dynamo nodes | autoscale passes (median) | range | per node | Inductor compile | passes / Inductor |",
+             "|---|---|---|---|---|---|"]
     for layers in (25, 75, 250, 750, 2500):
-        nodes, ours = passes_seconds(layers)
+        nodes, times = passes_seconds(layers, args.repeats)
+        ours = statistics.median(times)
         theirs = inductor_seconds(layers) if nodes <= args.inductor_max else None
         ratio = f"{ours / theirs:.1%}" if theirs else "—"
-        lines.append(f"| {nodes} | {ours:.2f} s | {ours / nodes * 1e3:.2f} ms | "
+        lines.append(f"| {nodes} | {ours:.2f} s | {min(times):.2f}–{max(times):.2f} s | {ours / nodes * 1e3:.2f} ms | "
                      f"{f'{theirs:.1f} s' if theirs else 'not run'} | {ratio} |")
         print(lines[-1], flush=True)
     text = (f"# Compile time\n\n{__doc__}\nMachine: {torch.get_num_threads()} threads, torch {torch.__version__}.\n\n"

@@ -27,8 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import sympy
 import torch
@@ -52,9 +51,10 @@ U_MIN = 2.0**-24
 SEED_KEY, MOMENTS_KEY, CALIBRATION_KEY = "autoscale_seed", "autoscale_moments", "autoscale_calibration"
 
 
-@dataclass(frozen=True)
-class Moments:
-    """Magnitude statistics of a tensor's elements: mean, mean square, max |x|."""
+class Moments(NamedTuple):
+    """Magnitude statistics of a tensor's elements: mean, mean square, max |x|. (A named tuple:
+    the analysis makes two per node, and a tuple of floats is cheap to build and untracked by the
+    cyclic garbage collector.)"""
 
     mean: float
     ms: float
@@ -66,10 +66,11 @@ class Moments:
 
     @staticmethod
     def of(t: torch.Tensor) -> Moments:
-        x = t.detach().double()
-        if x.numel() == 0:
+        if t.numel() == 0:
             return Moments(0.0, 0.0, 0.0)
-        return Moments(float(x.mean()), float((x * x).mean()), float(x.abs().max()))
+        x = t.detach().double().flatten()
+        total, squares, amax = torch.stack((x.sum(), x.dot(x), x.abs().max())).tolist()
+        return Moments(total / x.numel(), squares / x.numel(), amax)
 
     @staticmethod
     def gaussian(mean: float, ms: float, n: float) -> Moments:
@@ -133,6 +134,13 @@ def calibrate(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
 
 def analyze_underflow(gm: GraphModule, cfg: Config) -> PassResult:
     """Annotate every node with predicted value and gradient moments (see the module docstring)."""
+    try:
+        return _analyze(gm, cfg)
+    finally:
+        _expect.cache_clear()
+
+
+def _analyze(gm: GraphModule, cfg: Config) -> PassResult:
     nodes = list(gm.graph.nodes)
     value: dict[Node, Moments | None] = {}
     for n in nodes:
@@ -228,11 +236,14 @@ def _hermite(points: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
     return nodes, vectors[0] ** 2
 
 
+@functools.cache
 def _expect(f: Callable[[torch.Tensor], torch.Tensor], m: Moments) -> tuple[float, float, float]:
     """E[f(X)], E[f(X)²] and E[f'(X)²] for X Gaussian with m's mean and spread.
 
     f' by central differences in float64 (step ~ eps^(1/3) relative: ~1e-10 relative error), in
-    the same call as f: autograd cost 3x as much, and this runs for every elementwise op.
+    the same call as f: autograd cost 3x as much, and this runs for every elementwise op. Cached
+    for the length of a pass (``analyze_underflow`` clears it): an op's backward rule asks for the
+    expectation its forward rule computed.
     """
     z, w = _hermite()
     x = m.mean + m.std * z
@@ -269,7 +280,7 @@ def _forward(n: Node, value: dict[Node, Moments | None]) -> Moments | None:
     if n.op not in ("call_function", "call_method"):
         return None
     name = op_name(n) or ""
-    if cast_of(n) is not None or name in _IDENTITY:
+    if name in _IDENTITY or cast_of(n) is not None:
         src = n.args[0] if n.args else None
         return value.get(src) if isinstance(src, Node) else None
     rule = _FORWARD.get(name)
@@ -430,17 +441,17 @@ def _grad(ms: float, n: Any, mean: float = 0.0) -> Moments:
 
 def _backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
     name = op_name(n) or ""
-    inputs = [a for a in n.all_input_nodes if v.get(a) is not None or a.op == "placeholder"]
-    if cast_of(n) is not None or name in _IDENTITY:
+    if name in _IDENTITY or cast_of(n) is not None:
         src = n.args[0] if n.args else None
         return {src: g} if isinstance(src, Node) else {}
     rule = _BACKWARD.get(name)
     if rule is not None:
         return rule(n, g, v)
     if name in _UNARY and isinstance(n.args[0], Node) and v.get(n.args[0]) is not None:
-        _, _, slope = _expect(_UNARY[name], v[n.args[0]])  # type: ignore[arg-type]
+        _, _, slope = _expect(_UNARY[name], v[n.args[0]])
         return {n.args[0]: _grad(g.ms * slope, n.args[0])}
-    return {a: None for a in inputs}  # no rule: the inputs' gradients are unknown
+    # no rule: the inputs' gradients are unknown
+    return {a: None for a in n.all_input_nodes if v.get(a) is not None or a.op == "placeholder"}
 
 
 def _gemm_backward(x: Node, w: Node, g: Moments, v: dict[Node, Moments | None], *, out_features: float,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from operator import is_not
 from typing import Any
 
@@ -57,6 +57,14 @@ def target_name(node: Node) -> str | None:
         return target
     if node.op != "call_function":
         return None
+    try:
+        return _function_name(target)
+    except TypeError:  # an unhashable callable
+        return _function_name.__wrapped__(target)
+
+
+@lru_cache(maxsize=1024)  # asked several times per node by every pass
+def _function_name(target: Callable[..., Any]) -> str | None:
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__
     if isinstance(target, torch._ops.OpOverloadPacket):
@@ -88,6 +96,8 @@ def mutated_aliases(graph: Graph) -> set[Node]:
     move or merge them.
     """
     nodes = list(graph.nodes)
+    if not any(is_inplace(n) for n in nodes):  # the usual case once remove_inplace has run
+        return set()
     parent: dict[Node, Node] = {}
 
     def root(n: Node) -> Node:
@@ -154,8 +164,13 @@ def layer_of(node: Node) -> str:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return ""
-    path, _ = list(stack.values())[-1]
-    path = _ROOT.sub("", str(path))
+    path, _ = next(reversed(stack.values()))
+    return _module_path(str(path))
+
+
+@lru_cache(maxsize=4096)
+def _module_path(dynamo_path: str) -> str:
+    path = _ROOT.sub("", dynamo_path)
     return _INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), path).lstrip(".")
 
 

@@ -257,13 +257,6 @@ class _State:
         return unscaled
 
 
-def _requires_grad(n: Node) -> bool:
-    val = tensor_val(n)
-    if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
-        return False
-    return bool(n.meta.get("requires_grad", val.requires_grad))
-
-
 def _requires_grad_map(graph: Graph) -> dict[Node, bool]:
     """Which nodes carry a gradient: by their recorded values, or because a floating input does
     (higher-order ops such as ``autograd_function_apply`` lose the flag in fake propagation)."""
@@ -271,10 +264,13 @@ def _requires_grad_map(graph: Graph) -> dict[Node, bool]:
     for n in graph.nodes:
         val = tensor_val(n)
         vals = val if isinstance(val, tuple | list) else (val,)
-        floating = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals)
-        requires[n] = floating and (_requires_grad(n) or (
-            n.op in ("call_function", "call_method") and op_name(n) != "detach"
-            and any(requires.get(a, False) for a in n.all_input_nodes)))
+        if not any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals):
+            requires[n] = False
+        elif isinstance(val, torch.Tensor) and n.meta.get("requires_grad", val.requires_grad):
+            requires[n] = True
+        else:
+            requires[n] = (n.op in ("call_function", "call_method") and op_name(n) != "detach"
+                           and any(requires.get(a, False) for a in n.all_input_nodes))
     return requires
 
 

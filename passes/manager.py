@@ -3,14 +3,19 @@
 A pass is a function ``verb_noun(gm, cfg) -> PassResult`` that rewrites ``gm.graph`` in place and
 says whether it changed it. It keeps the fake values (``node.meta["val"]``) of the nodes it creates
 or retypes up to date itself: re-propagating them through the whole graph after every pass cost
-~80% of the pipeline's time. After every pass that changed the graph, the manager lints and
-recompiles the module and checks:
+~80% of the pipeline's time. After every pass that changed the graph, the manager recompiles the
+module and checks:
 
 * every node the pass created records its provenance (``node.meta["autoscale"]["pass"]``);
 * the graph's outputs keep their dtypes and shapes (a pass may change how a value is computed,
   never the module's interface);
-* with ``Config.verify``, that every recorded value's dtype and shape is what fake propagation
-  through the rewritten graph gives.
+* with ``Config.verify``, that the graph lints (``Graph.lint``: arguments defined before use,
+  unique names, targets that exist) and that every recorded value's dtype and shape is what fake
+  propagation through the rewritten graph gives.
+
+Without ``verify`` the graph is linted once, at the end of the stage: a broken graph is still
+refused before it leaves the pipeline, without paying a lint per pass (~5% of the time on a large
+graph); ``verify`` (the "debug" recipe, and every test of the passes) names the pass that broke it.
 """
 
 from __future__ import annotations
@@ -105,6 +110,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
 def _run_stage(gm: GraphModule, cfg: Config, stage: Stage, pipeline: Sequence[PassSpec]) -> list[PassRecord]:
     _ensure_vals(gm)
     records = []
+    modified = False
     for spec in pipeline:
         if spec.stage != stage:
             continue
@@ -115,15 +121,18 @@ def _run_stage(gm: GraphModule, cfg: Config, stage: Stage, pipeline: Sequence[Pa
         if result.gm is not gm:
             raise InvariantError(f"pass {spec.name} returned a different GraphModule; passes rewrite in place")
         if result.modified:
-            gm.graph.lint()
+            modified = True
+            if cfg.verify:
+                gm.graph.lint()
+                _check_vals(gm, spec.name)
             gm.recompile()
             _check_provenance(gm.graph.nodes, before, spec.name)
             _check_signature(signature, _output_signature(gm), spec.name)
-            if cfg.verify:
-                _check_vals(gm, spec.name)
         records.append(PassRecord(spec.name, stage, result.modified, dict(result.counts),
                                   time.perf_counter() - start))
         log.debug("%s (%s): modified=%s %s", spec.name, stage, result.modified, dict(result.counts))
+    if modified and not cfg.verify:
+        gm.graph.lint()
     return records
 
 

@@ -116,6 +116,16 @@ def test_dynamic_shapes_give_the_same_predictions() -> None:
     assert stds(gm) == pytest.approx(stds(static), rel=1e-6)
 
 
+def test_moments_of_a_tensor() -> None:
+    torch.manual_seed(0)
+    tensors = [torch.randn(3, 4), torch.empty(0), torch.tensor(-2.5), torch.randn(7).half() * 100,
+               torch.zeros(5), torch.randn(4, 3).t()]  # the last one not contiguous
+    for t in tensors:
+        x = t.double().flatten()
+        want = (x.mean(), (x * x).mean(), x.abs().max()) if x.numel() else (0.0, 0.0, 0.0)
+        assert Moments.of(t) == pytest.approx(tuple(float(v) for v in want), rel=1e-12, abs=0.0)
+
+
 def test_underflow_rate_model() -> None:
     assert predicted_underflow(Moments(0.0, 1.0, 3.0)) == pytest.approx(math.erf(2.0**-24 / math.sqrt(2)))
     assert predicted_underflow(Moments(0.0, (2.0**-24) ** 2, 1e-7)) == pytest.approx(math.erf(1 / math.sqrt(2)))
