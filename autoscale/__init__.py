@@ -1,7 +1,11 @@
 """autoscale: mixed-precision training as compiler passes.
 
 ``torch.compile(model, backend="autoscale")`` runs the forward and backward in float16 where that
-is safe and float32 where it is not, with float32 master weights. See README.md and DESIGN.md.
+is safe and float32 where it is not, with float32 master weights; ``convert``/``save``/``load`` do
+the same ahead of time, and ``diff`` shows what the passes changed. See README.md and DESIGN.md.
+
+(``autoscale.convert`` and ``autoscale.diff`` name the functions; their modules are imported as
+``from autoscale.convert import ...`` and ``from autoscale.diff import ...``.)
 
 Importing this package is cheap: it does not import triton, Inductor or initialise CUDA.
 """
@@ -10,6 +14,8 @@ from __future__ import annotations
 
 from autoscale.backend import Backend, CompileRecord, backend
 from autoscale.config import Config, ScalingConfig, recipe, recipe_names
+from autoscale.convert import ConvertedFileError, ConvertedModule, convert, load, save
+from autoscale.diff import GraphDiff, diff
 from autoscale.inspect import PrecisionReport
 from autoscale.scaler import GradScaler, LayerReport
 
@@ -17,13 +23,20 @@ __all__ = [
     "Backend",
     "CompileRecord",
     "Config",
+    "ConvertedFileError",
+    "ConvertedModule",
     "GradScaler",
+    "GraphDiff",
     "LayerReport",
     "PrecisionReport",
     "ScalingConfig",
     "backend",
+    "convert",
+    "diff",
+    "load",
     "recipe",
     "recipe_names",
+    "save",
 ]
 
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ from autoscale.passes.analyze_underflow import calibrate, seed_inputs
 from autoscale.passes.graph_utils import dtype_name
 from autoscale.runtime import state_of
 
-__all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend"]
+__all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend", "rewrite_graph"]
 
 log = logging.getLogger("autoscale")
 
@@ -73,15 +73,8 @@ class Backend:
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         from autoscale.executors import EXECUTORS, inductor_keeps_roundings  # Inductor: only when compiling
 
-        cfg = self.config.resolved(_device_of(example_inputs))
-        seed_inputs(gm, example_inputs)
-        if cfg.scaling.calibrate:
-            calibrate(gm, example_inputs)
-        passes = run_stage(gm, cfg, "dynamo", self.pipeline)
-        _seed_scales(gm, example_inputs)
-        _register(gm, example_inputs)
-        report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
-        record = CompileRecord(cfg, report, passes)
+        record = rewrite_graph(gm, example_inputs, self.config, self.pipeline)
+        cfg, report = record.config, record.report
         self.records.append(record)
         log.info("graph %d: %s", len(self.records) - 1, report)
         if cfg.executor == "inductor" and cfg.compute == "emulate" and not inductor_keeps_roundings():
@@ -98,6 +91,26 @@ class Backend:
         joint_passes = tuple(spec.fn for spec in self.pipeline if spec.stage == "joint")
         key = f"{cfg!r} {[fn.__name__ for fn in joint_passes]}"
         return EXECUTORS[cfg.executor](gm, example_inputs, JointStage(run_joint, joint_passes, key))
+
+
+def rewrite_graph(gm: GraphModule, example_inputs: Sequence[Any], config: Config,
+                  pipeline: Sequence[PassSpec] = PIPELINE) -> CompileRecord:
+    """Run the Dynamo stage of ``pipeline`` on ``gm`` in place, with the real ``example_inputs``.
+
+    One function for the backend and ``autoscale.convert`` so that both rewrite a graph exactly
+    alike: the analysis is seeded from (or calibrated on) the real inputs, the passes run, the
+    scaler's state gets the predicted first scales and learns that a graph serves it. The
+    record's joint-stage passes are left to the executor.
+    """
+    cfg = config.resolved(_device_of(example_inputs))
+    seed_inputs(gm, example_inputs)
+    if cfg.scaling.calibrate:
+        calibrate(gm, example_inputs)
+    passes = run_stage(gm, cfg, "dynamo", pipeline)
+    _seed_scales(gm, example_inputs)
+    _register(gm, example_inputs)
+    report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
+    return CompileRecord(cfg, report, passes)
 
 
 def backend(config: Config | None = None) -> Backend:
@@ -133,7 +146,8 @@ def _register(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
         return
     state.graphs += 1
     for i in gm.meta.get("autoscale_checked_inputs", []):
-        state.checked[example_inputs[i]] = True
+        if isinstance(example_inputs[i], torch.Tensor):  # (a loaded converted module has no user inputs yet)
+            state.checked[example_inputs[i]] = True
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:

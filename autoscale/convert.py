@@ -1,0 +1,727 @@
+"""Ahead-of-time conversion: ``convert`` a model once, train the result with plain autograd, ``save``/``load`` it.
+
+``convert(model, example_inputs)`` captures the model's forward as ONE Dynamo graph, runs the
+backend's Dynamo-stage pipeline on it (the same function, :func:`autoscale.backend.rewrite_graph`)
+and returns a :class:`ConvertedModule`: the original model (so ``parameters()``, ``state_dict()``
+and optimizers see the same Parameters) and the rewritten ``GraphModule``, run eagerly. Every
+autoscale pass that matters runs before autograd, so eager autograd through the rewritten graph
+differentiates through its casts and rescale points: no AOTAutograd, no Inductor, no Dynamo at
+training time.
+
+Why one graph and static shapes: the rewritten graph *is* the program. There is no Dynamo
+runtime to stitch pieces together around a graph break or to re-trace for a new shape, so a graph
+break is refused at conversion and an input of another shape, dtype or device at call time.
+
+``save``/``load`` write and read a file made of a fixed header (magic, format version, payload
+length, SHA-256 of the payload) and a ``torch.save`` payload. The graph is stored node by node
+(op, name, target by qualified name, arguments, autoscale's provenance), not as a pickled
+``GraphModule``: that pickles Python code and re-traces it on load, which inlines plain Python
+functions — ``autoscale.ops.rescale`` came back as ``view_as``, silently dropping every scale
+point — and forgets each node's provenance. The model is stored as its module tree with its
+parameters and buffers (types by name only): a loaded module needs autoscale and torch, not the
+code of the model's class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import logging
+import operator
+import os
+import pickle
+import platform
+import struct
+import tempfile
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import _get_qualified_name, map_aggregate
+
+from autoscale.backend import CompileRecord, _register, rewrite_graph
+from autoscale.config import Config
+from autoscale.inspect import PrecisionReport
+from autoscale.passes.graph_utils import PROVENANCE_KEY
+from autoscale.runtime import ScaleState, install_state, unwrap
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "ConvertError",
+    "ConvertedFileError",
+    "ConvertedModule",
+    "CorruptedFileError",
+    "FormatVersionError",
+    "NotConvertedFileError",
+    "SavedModule",
+    "TruncatedFileError",
+    "convert",
+    "load",
+    "save",
+]
+
+log = logging.getLogger("autoscale")
+
+MAGIC = b"\x89autoscale\r\n\x1a\n"
+"""The first bytes of a converted-module file (PNG-style: a non-ASCII byte, then line endings and
+^Z that a text-mode copy would mangle)."""
+FORMAT_VERSION = 1
+"""The file format this autoscale writes and reads."""
+_HEADER = struct.Struct("<IQ32s")  # format version, payload length, SHA-256 of the payload
+_HEADER_SIZE = len(MAGIC) + _HEADER.size
+_KIND = "autoscale.ConvertedModule"
+_RECONVERT = "re-run autoscale.convert and save again"
+
+# Where a graph input, or an output leaf, comes from.
+Source = tuple[str, Any]  # ("input", leaf index) | ("parameter", name) | ("buffer", name) | ("constant", index)
+# | ("output", graph output index) | ("value", a Python value)
+
+
+class ConvertError(RuntimeError):
+    """``convert`` cannot turn this model into one static graph (the message says why and what to do)."""
+
+
+class ConvertedFileError(ValueError):
+    """A file that ``load`` refuses; the subclass says which problem it is."""
+
+
+class NotConvertedFileError(ConvertedFileError):
+    """The file does not start with autoscale's magic bytes: it was not written by ``autoscale.save``."""
+
+
+class TruncatedFileError(ConvertedFileError):
+    """The file ends before its header or its payload does (an interrupted write or copy)."""
+
+
+class CorruptedFileError(ConvertedFileError):
+    """The payload's SHA-256 differs from the header's, or bytes follow the payload."""
+
+
+class FormatVersionError(ConvertedFileError):
+    """The file was written in a format version this autoscale does not read."""
+
+
+# ------------------------------------------------------------------------------------ the module
+
+
+@dataclass(frozen=True)
+class _Signature:
+    """How the user's call maps onto the graph: what each input leaf must be, where each graph
+    input comes from, and how the user's output is rebuilt from the graph's."""
+
+    in_spec: pytree.TreeSpec
+    in_leaves: tuple[tuple[Any, ...], ...]  # ("tensor", shape, dtype, device) | ("value", v)
+    sources: tuple[Source, ...]  # one per graph placeholder
+    constants: tuple[torch.Tensor, ...]
+    out_spec: pytree.TreeSpec
+    out_leaves: tuple[Source, ...]
+    training: bool
+
+
+class SavedModule(nn.Module):
+    """A module of a loaded converted model: the original's parameters and buffers under their
+    names, and no code (the graph is the code). ``type_name`` is the original class, for repr."""
+
+    def __init__(self, type_name: str) -> None:
+        super().__init__()
+        self.type_name = type_name
+
+    def extra_repr(self) -> str:
+        return f"saved from {self.type_name}"
+
+
+class ConvertedModule(nn.Module):
+    """The model after ``convert`` (or ``load``): ``forward(*args)`` runs the rewritten graph eagerly.
+
+    ``module`` is the original model (after ``load``, a tree of :class:`SavedModule` with the same
+    names, parameters and buffers); it is a submodule, so ``parameters()``, ``state_dict()`` (keys
+    prefixed ``module.``) and optimizers see its Parameters. ``graph_module`` is the rewritten
+    graph, deliberately not a submodule: it owns no state. ``record`` is the compile record (the
+    resolved config, the precision report and the passes' counts); ``extra`` holds what ``save``
+    was given as ``extra`` (empty otherwise).
+
+    Inputs must have the example inputs' structure, shapes, dtypes and devices, and the model the
+    training mode it was converted in: the graph is static.
+    """
+
+    graph_module: GraphModule
+    record: CompileRecord
+    extra: dict[str, Any]
+
+    def __init__(self, module: nn.Module, graph_module: GraphModule, signature: _Signature, *,
+                 record: CompileRecord, extra: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.module = module
+        object.__setattr__(self, "graph_module", graph_module)  # a plain attribute: not a submodule
+        object.__setattr__(self, "record", record)
+        object.__setattr__(self, "extra", dict(extra or {}))
+        self._signature = signature
+
+    @property
+    def _orig_mod(self) -> nn.Module:
+        """The wrapped model, under the name ``torch.compile``'s wrapper uses, so that
+        ``autoscale.GradScaler(converted)`` (which unwraps) finds the scale state the graph reads."""
+        return self.module
+
+    @property
+    def config(self) -> Config:
+        """The resolved config the graph was converted with."""
+        return self.record.config
+
+    @property
+    def report(self) -> PrecisionReport:
+        """The precision report of the converted graph."""
+        return self.record.report
+
+    def forward(self, *args: Any) -> Any:
+        """Check ``args`` against the captured ones, feed the graph its inputs (the arguments' tensors,
+        the model's parameters and buffers looked up by name) and rebuild the model's output."""
+        sig = self._signature
+        leaves, spec = pytree.tree_flatten(args)
+        self._check(leaves, spec)
+        inputs = [self._value(source, leaves) for source in sig.sources]
+        outputs = self.graph_module(*inputs)
+        return pytree.tree_unflatten([self._value(o, leaves, outputs) for o in sig.out_leaves], sig.out_spec)
+
+    def _value(self, source: Source, leaves: Sequence[Any], outputs: Sequence[Any] = ()) -> Any:
+        kind, where = source
+        if kind == "input":
+            return leaves[where]
+        if kind == "parameter":
+            return self.module.get_parameter(where)  # by name on each call: ``.to()`` replaces buffers
+        if kind == "buffer":
+            return self.module.get_buffer(where)
+        if kind == "constant":
+            return self._signature.constants[where]
+        if kind == "output":
+            return outputs[where]
+        return where  # "value"
+
+    def _check(self, leaves: Sequence[Any], spec: pytree.TreeSpec) -> None:
+        """Refuse a call the static graph would compute wrongly (or fail on deep inside)."""
+        sig = self._signature
+        if spec != sig.in_spec:
+            raise ValueError(f"this converted module takes {_describe_spec(sig.in_spec)}, got {_describe_spec(spec)}; "
+                             "call it with arguments structured like the example inputs given to autoscale.convert")
+        for i, (leaf, expected) in enumerate(zip(leaves, sig.in_leaves, strict=True)):
+            if expected[0] == "tensor":
+                _, shape, dtype, device = expected
+                if (not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != shape or leaf.dtype != dtype
+                        or leaf.device != device):
+                    got = (f"shape {tuple(leaf.shape)}, {leaf.dtype} on {leaf.device}" if isinstance(leaf, torch.Tensor)
+                           else type(leaf).__name__)
+                    raise ValueError(
+                        f"input {i} of this converted module has {got}; it was converted for shape {shape}, "
+                        f"{dtype} on {device}. A converted graph is static: pass inputs of the example inputs' "
+                        "shapes, dtypes and devices, or run autoscale.convert again with examples of the new ones")
+            elif not _same_value(leaf, expected[1]):
+                raise ValueError(f"input {i} of this converted module is {leaf!r}; it was converted for "
+                                 f"{expected[1]!r}, which the graph has baked in: pass the same value, or convert "
+                                 "again with the new one")
+        if self.module.training != sig.training:
+            mode = "training" if sig.training else "eval"
+            raise RuntimeError(f"this module was converted in {mode} mode and its graph keeps that mode's behaviour "
+                               "(batch-norm statistics, dropout); set it back with .train()/.eval(), or convert "
+                               "another copy of the model in the other mode")
+
+
+def _describe_spec(spec: pytree.TreeSpec) -> str:
+    return f"{spec.num_children} positional argument(s) ({spec.num_leaves} leaves: {spec})"
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an object whose == does not give a bool
+        return a is b
+
+
+# ----------------------------------------------------------------------------------- convert
+
+
+def convert(model: nn.Module, example_inputs: tuple[Any, ...], *, config: Config | None = None) -> ConvertedModule:
+    """Capture ``model(*example_inputs)`` as one graph, rewrite it with autoscale's pipeline and
+    return a :class:`ConvertedModule` that trains with plain autograd.
+
+    In adaptive scaling mode (the default) the scaler's state is installed on ``model`` first, so
+    the graph gets its scale points: create ``autoscale.GradScaler(converted)`` (or one on
+    ``model`` before converting) with the same scaling settings. ``config.executor`` is not used:
+    the graph runs eagerly. Dynamo traces the forward but the graph is not run: converting does
+    not update batch-norm statistics or other state.
+
+    Raises ``ConvertError`` when Dynamo cannot capture the forward as a single graph.
+    """
+    if isinstance(model, ConvertedModule):
+        raise ValueError("this model is already converted; convert the original model")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"autoscale.convert takes an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        raise ValueError(f"example_inputs must be a tuple of the forward's positional arguments, e.g. (x,), "
+                         f"got {type(example_inputs).__name__}")
+    if config is not None and not isinstance(config, Config):
+        raise ValueError(f"convert config must be an autoscale.Config, got {type(config).__name__}")
+    cfg = config or Config()
+    model = unwrap(model)
+    if model._forward_hooks or model._forward_pre_hooks:
+        log.warning("%s has forward hooks on the model itself: the converted graph does not run them (hooks of "
+                    "its submodules are traced into it)", type(model).__name__)
+    if cfg.scaling.mode == "adaptive":
+        install_state(model, moments=cfg.scaling.rule == "paper")
+    gm, graph_inputs, user_output, graph_outputs = _capture(model, example_inputs)
+    leaves, in_spec = pytree.tree_flatten(example_inputs)
+    sources, constants = _map_inputs(model, leaves, graph_inputs)
+    out_leaves, out_spec = pytree.tree_flatten(user_output)
+    outputs = tuple(_map_output(model, leaf, leaves, graph_outputs) for leaf in out_leaves)
+    record = rewrite_graph(gm, graph_inputs, cfg)
+    log.info("converted %s: %s", type(model).__name__, record.report)
+    if record.report.unknown_ops:
+        log.warning("ops not in the precision tables were kept in float32: %s "
+                    "(classify them with Config.allow/deny/infer/clear)", ", ".join(record.report.unknown_ops))
+    in_leaves = tuple(("tensor", tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else ("value", x)
+                      for x in leaves)
+    signature = _Signature(in_spec, in_leaves, sources, tuple(constants), out_spec, outputs, model.training)
+    return ConvertedModule(model, gm, signature, record=record)
+
+
+def _capture(model: nn.Module, args: tuple[Any, ...]) -> tuple[GraphModule, list[Any], Any, tuple[Any, ...]]:
+    """The one Dynamo graph of ``model(*args)`` with its real example inputs, the user-level output
+    of that call and the graph outputs it was built from.
+
+    The graph is not run: the capture backend hands Dynamo empty tensors of the outputs' shapes,
+    so the user-level output only tells how the graph's outputs are arranged. Nothing is left in
+    Dynamo's caches that could serve a later ``torch.compile`` of the model or count towards its
+    recompile limit (see ``_fresh_forward``).
+    """
+    captured: list[tuple[GraphModule, list[Any]]] = []
+    produced: list[Any] = []
+    live = True
+
+    def capture_backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        captured.append((gm, list(example_inputs)))
+        (returned,) = gm.graph.find_nodes(op="output")[0].args
+
+        def placeholders(*_: Any) -> Any:
+            if not live:
+                raise RuntimeError("autoscale.convert's capture graph was called after conversion; this is a bug")
+            outs = map_aggregate(returned, lambda a: _empty_like(a.meta["example_value"]) if isinstance(a, Node) else a)
+            produced.extend(outs if isinstance(outs, tuple | list) else (outs,))
+            return outs
+
+        return placeholders
+
+    from torch._dynamo.exc import Unsupported, UserError  # (here: Dynamo imports Inductor and triton)
+
+    compiled = torch.compile(_fresh_forward(model), backend=capture_backend, fullgraph=True, dynamic=False)
+    try:
+        with torch.enable_grad():
+            output = compiled(*args)
+    except (Unsupported, UserError) as e:  # (data-dependent control flow raises UserError)
+        raise ConvertError(
+            f"autoscale.convert needs {type(model).__name__}'s whole forward as one graph, but Dynamo cannot "
+            "trace it without a graph break. Remove the graph break (print, .item()/.tolist(), Python control "
+            "flow on tensor values, calls Dynamo does not support: Dynamo's message below says which and where), "
+            "or train with torch.compile(model, backend=autoscale.backend(config)), which compiles the pieces "
+            f"between graph breaks.\n\nDynamo: {e}") from e
+    finally:
+        live = False
+    if len(captured) != 1:
+        raise ConvertError(f"Dynamo handed over {len(captured)} graphs for one call instead of 1 (is torch.compile "
+                           "disabled, e.g. by TORCHDYNAMO_DISABLE=1?); autoscale.convert needs exactly one")
+    gm, graph_inputs = captured[0]
+    return gm, graph_inputs, output, tuple(produced)
+
+
+def _fresh_forward(model: nn.Module) -> Callable[..., Any]:
+    """``model.forward`` with a code object of its own.
+
+    Dynamo starts from the forward, as ``torch.compile(model)`` does (so layer paths come out as
+    the backend sees them: ``fc1``, not a path through the caller), and keeps its cache entries on
+    that code object: a copy takes them away with it when conversion is done.
+    """
+    forward = model.forward
+    bound_to = getattr(forward, "__self__", None)
+    fn = getattr(forward, "__func__", forward)
+    if not isinstance(fn, types.FunctionType):
+        raise ConvertError(f"{type(model).__name__}.forward is a {type(fn).__name__}, not a Python function; "
+                           "autoscale.convert traces Python forwards")
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    fresh.__kwdefaults__ = fn.__kwdefaults__
+    return fresh if bound_to is None else types.MethodType(fresh, bound_to)
+
+
+def _empty_like(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=value.device)
+    return value
+
+
+def _named_tensors(model: nn.Module) -> dict[int, Source]:
+    """Every parameter and buffer of ``model`` by identity -> its (first) name."""
+    names: dict[int, Source] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), ("parameter", name))
+    for name, b in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), ("buffer", name))
+    return names
+
+
+def _map_inputs(model: nn.Module, leaves: Sequence[Any], graph_inputs: Sequence[Any]
+                ) -> tuple[tuple[Source, ...], list[torch.Tensor]]:
+    """Where each graph input comes from: a user input leaf, a named parameter or buffer (by
+    identity: Dynamo hands the backend the real tensors), or a constant kept with the module."""
+    by_leaf = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+    named = _named_tensors(model)
+    sources: list[Source] = []
+    constants: list[torch.Tensor] = []
+    for i, x in enumerate(graph_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise ConvertError(f"graph input {i} is a {type(x).__name__}, not a tensor; autoscale.convert needs "
+                               "static shapes (this should not happen with dynamic=False: please report it)")
+        if id(x) in by_leaf:
+            sources.append(("input", by_leaf[id(x)]))
+        elif id(x) in named:
+            sources.append(named[id(x)])
+        else:
+            log.warning("graph input %d (shape %s) is neither an input nor a parameter or buffer of the model (a "
+                        "tensor attribute or a global?): the converted module keeps it as a constant", i,
+                        tuple(x.shape))
+            sources.append(("constant", len(constants)))
+            constants.append(x)
+    return tuple(sources), constants
+
+
+def _map_output(model: nn.Module, leaf: Any, leaves: Sequence[Any], graph_outputs: Sequence[Any]) -> Source:
+    if not isinstance(leaf, torch.Tensor):
+        return ("value", leaf)
+    for i, out in enumerate(graph_outputs):
+        if out is leaf:
+            return ("output", i)
+    for i, x in enumerate(leaves):
+        if x is leaf:
+            return ("input", i)
+    named = _named_tensors(model).get(id(leaf))
+    if named is not None:
+        return named
+    raise ConvertError("the forward returns a tensor that is neither computed by the graph nor an input, parameter "
+                       "or buffer; return tensors the forward computes")
+
+
+# ------------------------------------------------------------------------------------- the file
+
+
+def save(converted: ConvertedModule, path: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None) -> None:
+    """Write ``converted`` to ``path``: header (magic, format version, payload length, SHA-256)
+    then the payload. ``extra`` (e.g. ``{"scaler": scaler.state_dict(), "optimizer":
+    opt.state_dict()}``) is stored in the same checksummed payload and comes back as
+    ``load(path).extra``. The file is written next to ``path`` and renamed into place, so an
+    interrupted save never leaves a half-written file under that name."""
+    if not isinstance(converted, ConvertedModule):
+        raise ValueError(f"autoscale.save takes a ConvertedModule (from autoscale.convert), got "
+                         f"{type(converted).__name__}")
+    import autoscale  # (here, not at the top: autoscale/__init__ imports this module)
+
+    state = _state(converted.module)
+    payload = {
+        "kind": _KIND,
+        "versions": {"format": FORMAT_VERSION, "autoscale": autoscale.__version__, "torch": torch.__version__,
+                     "python": platform.python_version()},
+        "graph": _dump_graph(converted.graph_module),
+        "modules": _dump_modules(converted.module, state),
+        "state": None if state is None else {
+            "layers": list(state.layers), "moments": state.moments, "scales": state.scales.detach().clone(),
+            "stats": state.stats.detach().clone()},
+        "signature": _dump_signature(converted._signature),
+        "record": converted.record,
+        "extra": dict(extra or {}),
+    }
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    header = MAGIC + _HEADER.pack(FORMAT_VERSION, len(data), hashlib.sha256(data).digest())
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header)
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    log.info("saved the converted %s to %s (%d bytes)", converted.module.__class__.__name__, target,
+             len(header) + len(data))
+
+
+def load(path: str | os.PathLike[str]) -> ConvertedModule:
+    """Read a file written by :func:`save` and return the ConvertedModule, ready to train.
+
+    The payload is unpickled, like ``torch.load(weights_only=False)``: it can run code, so load
+    only files you trust. The checksum detects corruption, not tampering. Raises a subclass of
+    ``ConvertedFileError`` for a file that is not autoscale's, truncated, corrupted, or in another
+    format version.
+    """
+    raw = Path(path).read_bytes()
+    data = _verified_payload(raw, str(path))
+    try:
+        payload = torch.load(io.BytesIO(data), weights_only=False)
+    except Exception as e:
+        raise ConvertedFileError(f"{path}: the file is intact (its checksum matches) but its payload cannot be read "
+                                 f"({type(e).__name__}: {e}); it may need another autoscale or torch version: "
+                                 f"{_RECONVERT} with this one") from e
+    if not isinstance(payload, dict) or payload.get("kind") != _KIND:
+        raise ConvertedFileError(f"{path}: the payload is not a converted module; {_RECONVERT}")
+    versions = payload["versions"]
+    if versions["torch"] != torch.__version__:
+        log.warning("%s was saved with torch %s and is loaded with torch %s: its ops are found by name; if it "
+                    "fails or differs, %s", path, versions["torch"], torch.__version__, _RECONVERT)
+    module = _load_modules(payload["modules"])
+    saved_state = payload["state"]
+    if saved_state is not None:
+        state = install_state(module, moments=saved_state["moments"])
+        if list(state.layers) != saved_state["layers"]:
+            raise ConvertedFileError(f"{path}: the saved module tree does not give the saved scale layout; "
+                                     f"{_RECONVERT}")
+        with torch.no_grad():
+            state.scales.copy_(saved_state["scales"])
+            state.stats.copy_(saved_state["stats"])
+    gm = _load_graph(payload["graph"])
+    signature = _load_signature(payload["signature"])
+    converted = ConvertedModule(module, gm, signature, record=payload["record"], extra=payload["extra"])
+    # Tell the state that this graph serves it and which gradients the graph checks (as the
+    # backend and convert do): GradScaler.step then skips those.
+    _register(gm, [converted._value(s, ()) if s[0] != "input" else None for s in signature.sources])
+    return converted
+
+
+def _verified_payload(raw: bytes, path: str) -> bytes:
+    """The payload of a converted-module file, after checking magic, version, length and checksum
+    (in that order: the version decides how the rest of the header reads)."""
+    if len(raw) < len(MAGIC):
+        if MAGIC.startswith(raw):
+            raise TruncatedFileError(f"{path}: truncated: {len(raw)} bytes, shorter than autoscale's header "
+                                     f"({_HEADER_SIZE} bytes); copy the file again, or {_RECONVERT}")
+        raise NotConvertedFileError(f"{path}: not an autoscale converted-module file (it does not start with "
+                                    f"{MAGIC!r}); write one with autoscale.save")
+    if not raw.startswith(MAGIC):
+        hint = (" It looks like a torch.save file: read it with torch.load." if raw.startswith(b"PK\x03\x04")
+                else "")
+        raise NotConvertedFileError(f"{path}: not an autoscale converted-module file (it starts with "
+                                    f"{raw[:len(MAGIC)]!r}, not {MAGIC!r}); write one with autoscale.save.{hint}")
+    if len(raw) < len(MAGIC) + 4:
+        raise TruncatedFileError(f"{path}: truncated inside its header ({len(raw)} of {_HEADER_SIZE} bytes); copy "
+                                 f"the file again, or {_RECONVERT}")
+    (version,) = struct.unpack_from("<I", raw, len(MAGIC))
+    if version != FORMAT_VERSION:
+        action = ("upgrade autoscale" if version > FORMAT_VERSION
+                  else "convert the model again with this autoscale and save it")
+        raise FormatVersionError(f"{path}: saved by format version {version}, this autoscale reads version "
+                                 f"{FORMAT_VERSION}: {action}")
+    if len(raw) < _HEADER_SIZE:
+        raise TruncatedFileError(f"{path}: truncated inside its header ({len(raw)} of {_HEADER_SIZE} bytes); copy "
+                                 f"the file again, or {_RECONVERT}")
+    _, length, digest = _HEADER.unpack_from(raw, len(MAGIC))
+    data = raw[_HEADER_SIZE:]
+    if len(data) < length:
+        raise TruncatedFileError(f"{path}: truncated: the payload ends after {len(data)} of its {length} bytes (an "
+                                 f"interrupted write or copy); copy the file again, or {_RECONVERT}")
+    if len(data) > length:
+        raise CorruptedFileError(f"{path}: corrupted: {len(data) - length} unexpected bytes follow the payload; "
+                                 f"copy the file again, or {_RECONVERT}")
+    actual = hashlib.sha256(data).digest()
+    if actual != digest:
+        raise CorruptedFileError(f"{path}: corrupted: the payload's SHA-256 is {actual.hex()[:16]}..., the header "
+                                 f"records {digest.hex()[:16]}... (the file changed after it was written); copy "
+                                 f"the file again, or {_RECONVERT}")
+    return data
+
+
+def _dump_signature(sig: _Signature) -> dict[str, Any]:
+    """The signature's fields; the tree specs as pytree's JSON where it can write them (pickling
+    a TreeSpec works too, but torch warns about its leaf class when unpickling)."""
+    fields = dict(vars(sig))
+    for key in ("in_spec", "out_spec"):
+        try:
+            fields[key] = pytree.treespec_dumps(fields[key])
+        except Exception:  # a container pytree has no JSON name for (a user's namedtuple): pickled
+            pass
+    return fields
+
+
+def _load_signature(fields: dict[str, Any]) -> _Signature:
+    fields = dict(fields)
+    for key in ("in_spec", "out_spec"):
+        if isinstance(fields[key], str):
+            fields[key] = pytree.treespec_loads(fields[key])
+    return _Signature(**fields)
+
+
+def _state(module: nn.Module) -> ScaleState | None:
+    state = getattr(module, "_autoscale_state", None)
+    return state if isinstance(state, ScaleState) else None
+
+
+def _dump_modules(model: nn.Module, state: ScaleState | None) -> list[dict[str, Any]]:
+    """The module tree in ``named_modules`` order, each distinct module once with its own
+    parameters and buffers (shared tensors and modules stay shared: pickle keeps identity). The
+    scale state's buffers are left out: ``load`` installs the state afresh and copies its values."""
+    skip = {id(state.scales), id(state.stats)} if state is not None else set()
+    refs: dict[int, int] = {}
+    entries: list[dict[str, Any]] = []
+    for path, m in model.named_modules(remove_duplicate=False):
+        first = id(m) not in refs
+        entry: dict[str, Any] = {"path": path, "ref": refs.setdefault(id(m), len(refs)), "training": m.training}
+        if first:
+            entry["type"] = f"{type(m).__module__}.{type(m).__qualname__}"
+            entry["parameters"] = list(m._parameters.items())
+            entry["buffers"] = [(name, b, name not in m._non_persistent_buffers_set)
+                                for name, b in m._buffers.items() if b is None or id(b) not in skip]
+        entries.append(entry)
+    return entries
+
+
+def _load_modules(entries: list[dict[str, Any]]) -> nn.Module:
+    by_ref: dict[int, nn.Module] = {}
+    by_path: dict[str, nn.Module] = {}
+    for entry in entries:
+        module = by_ref.get(entry["ref"])
+        if module is None:
+            module = SavedModule(entry["type"])
+            for name, p in entry["parameters"]:
+                module.register_parameter(name, p)
+            for name, b, persistent in entry["buffers"]:
+                module.register_buffer(name, b, persistent=persistent)
+            module.training = entry["training"]
+            by_ref[entry["ref"]] = module
+        path = entry["path"]
+        if path:
+            parent, _, name = path.rpartition(".")
+            if name not in by_path[parent]._modules:
+                by_path[parent].add_module(name, module)
+        by_path[path] = module
+    return by_path[""]
+
+
+@dataclass(frozen=True)
+class _NodeRef:
+    """A node argument in a saved graph: the name of the node it refers to."""
+
+    name: str
+
+
+_KEEP_META = ("stack_trace",)
+_PARAMETER_TYPES = (torch.Tensor, nn.Parameter)
+
+
+def _dump_graph(gm: GraphModule) -> dict[str, Any]:
+    """``gm`` node by node: op, name, target (a function by its qualified name), arguments (nodes
+    as ``_NodeRef``), the placeholder's annotation, and the picklable metadata autoscale reads:
+    its provenance and annotations, the stack trace, the module stack as strings."""
+    nodes = []
+    attrs: dict[str, Any] = {}
+    for n in gm.graph.nodes:
+        target: Any = n.target
+        if n.op == "call_function":
+            target = _qualified_name(target)
+        elif n.op in ("get_attr", "call_module"):
+            attrs[n.target] = _dump_attr(gm, n.target)
+        nodes.append({
+            "op": n.op, "name": n.name, "target": target,
+            "args": map_aggregate(n.args, _ref), "kwargs": map_aggregate(n.kwargs, _ref),
+            "type": n.type if n.type in _PARAMETER_TYPES else None,
+            "meta": _portable_meta(n),
+        })
+    meta = {k: v for k, v in gm.meta.items() if k.startswith("autoscale")}
+    return {"nodes": nodes, "attrs": attrs, "meta": meta}
+
+
+def _ref(a: Any) -> Any:
+    return _NodeRef(a.name) if isinstance(a, Node) else a
+
+
+def _dump_attr(gm: GraphModule, target: str) -> tuple[str, Any]:
+    value = operator.attrgetter(target)(gm)
+    if isinstance(value, GraphModule):
+        return ("graph", _dump_graph(value))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value)
+    raise ConvertError(f"cannot save: the graph uses attribute {target!r}, a {type(value).__name__}; only tensors "
+                       "and graph modules are supported")
+
+
+def _portable_meta(n: Node) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, value in n.meta.items():
+        if key == PROVENANCE_KEY or key.startswith("autoscale") or key in _KEEP_META:
+            try:
+                pickle.dumps(value)
+            except Exception:
+                continue
+            meta[key] = value
+    stack = n.meta.get("nn_module_stack")
+    if isinstance(stack, dict):  # (its values hold the module classes: kept as names)
+        meta["nn_module_stack"] = {k: (v[0], v[1] if isinstance(v[1], str) else _type_name(v[1]))
+                                   for k, v in stack.items() if isinstance(v, tuple) and len(v) == 2}
+    return meta
+
+
+def _type_name(t: Any) -> str:
+    return f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', repr(t))}"
+
+
+def _qualified_name(target: Any) -> str:
+    """The importable name of a call's target; refused at save time if ``load`` would not find it."""
+    try:
+        name = _get_qualified_name(target)
+        found = _resolve(name) is target
+    except Exception:
+        found, name = False, repr(target)
+    if not found:
+        raise ConvertError(f"cannot save: the graph calls {name}, which cannot be imported by name (a lambda or "
+                           "local function?); call module-level functions from the forward")
+    return name
+
+
+def _resolve(name: str) -> Any:
+    """The object ``name`` (``module.attr.attr``) stands for: the longest importable prefix, then attributes."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(f"cannot import {name}")
+
+
+def _load_graph(saved: dict[str, Any]) -> GraphModule:
+    graph = Graph()
+    env: dict[str, Node] = {}
+
+    def node_of(a: Any) -> Any:
+        return env[a.name] if isinstance(a, _NodeRef) else a
+
+    for entry in saved["nodes"]:
+        target = _resolve(entry["target"]) if entry["op"] == "call_function" else entry["target"]
+        node = graph.create_node(entry["op"], target, map_aggregate(entry["args"], node_of),
+                                 map_aggregate(entry["kwargs"], node_of), name=entry["name"], type_expr=entry["type"])
+        if node.name != entry["name"]:
+            raise ConvertedFileError(f"saved graph node {entry['name']!r} came back as {node.name!r}; {_RECONVERT}")
+        node.meta.update(entry["meta"])
+        env[node.name] = node
+    root: dict[str, Any] = {}
+    for target, (kind, value) in saved["attrs"].items():
+        root[target] = _load_graph(value) if kind == "graph" else value
+    gm = GraphModule(root, graph)
+    gm.meta.update(saved["meta"])
+    return gm
+

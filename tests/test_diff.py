@@ -1,0 +1,377 @@
+"""Graph-diff inspection (``autoscale.diff``): golden text, counts against the passes' own records,
+the JSON schema, and the HTML page rendered by headless Chromium."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import zlib
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoscale
+from autoscale import Config, ScalingConfig
+from autoscale.diff import GraphDiff, diff, schema
+from autoscale.inspect import precision_report
+from autoscale.passes import PIPELINE, PassRecord, run_stage
+from autoscale.passes.analyze_underflow import seed_inputs
+from autoscale.passes.graph_utils import dtype_name
+from autoscale.runtime import install_state
+from tests.helpers import capture
+from tests.models import mlp_case
+
+GOLDEN = Path(__file__).parent / "golden"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+NATIVE_ALL = Config(compute="native", scaling=ScalingConfig(placement="all"))
+"""Scale points everywhere (the tiny models predict no underflow, so "predicted" places none)."""
+
+
+class TinyNet(nn.Module):
+    """Linear-ReLU-Linear with the model's own ``float()`` and the loss inside: the diff shows
+    painting, a folded cast, a float32 island and scale points."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc2(torch.relu(self.fc1(x))).float(), y)
+
+
+def tiny_case() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return TinyNet(), (torch.randn(16, 4), torch.randint(0, 3, (16,)))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> GraphDiff:
+    torch._dynamo.reset()
+    model, inputs = tiny_case()
+    return diff(model, inputs, config=NATIVE_ALL)
+
+
+def _golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("AUTOSCALE_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; rerun with AUTOSCALE_UPDATE_GOLDEN=1 if intended"
+
+
+# ------------------------------------------------------------------------------------ text
+
+
+@pytest.mark.skipif(not torch.__version__.startswith("2.13"),
+                    reason=f"the golden backward is AOTAutograd's ATen graph from torch 2.13, not {torch.__version__}")
+def test_golden_text(tiny: GraphDiff) -> None:
+    _golden("diff_tiny.txt", tiny.to_text())
+
+
+def test_text_marks_every_change(tiny: GraphDiff) -> None:
+    text = tiny.to_text()
+    plus = [line for line in text.splitlines() if line.startswith("+ ")]
+    minus = [line for line in text.splitlines() if line.startswith("- ")]
+    fwd = tiny.forward
+    # forward: one "+" per inserted or changed node, one "-" per removed or changed node
+    fwd_plus = fwd.count("inserted") + fwd.count("changed")
+    bwd_groups = len({e.scale_op for e in tiny.backward.entries if e.scale_op})
+    bwd_plus = (sum(1 for e in tiny.backward.entries if e.scale_op is None and e.status in ("inserted", "changed"))
+                + bwd_groups)
+    assert len(plus) == fwd_plus + bwd_plus
+    assert len(minus) == sum(s.count("removed") + s.count("changed") for s in (tiny.forward, tiny.backward))
+    assert "\x1b[" not in text
+    assert "\x1b[32m+ " in tiny.to_text(color=True)
+
+
+def test_backward_only(tiny: GraphDiff) -> None:
+    text = tiny.to_text(backward_only=True)
+    assert "--- backward" in text and "--- forward" not in text
+    assert str(tiny.summary) in text
+    doc = tiny.to_json(backward_only=True)
+    assert "forward" not in doc and doc["backward"]["entries"]
+    page = tiny.to_html(backward_only=True)
+    assert 'id="backward"' in page and 'id="forward"' not in page
+
+
+def test_expanded_scale_ops_list_every_node(tiny: GraphDiff) -> None:
+    lines = tiny.to_text(backward_only=True, expand_scale_ops=True).splitlines()
+    members = sum(1 for e in tiny.backward.entries if e.scale_op is not None)
+    assert members == sum(s.backward_nodes for s in tiny.scale_ops)
+    named = {e.name for e in tiny.backward.entries if e.scale_op is not None}
+    assert sum(1 for line in lines if line.startswith("+ ") and line[2:].split(":")[0] in named) == members
+
+
+# ------------------------------------------------------------------------------------ counts
+
+
+def _records(model: nn.Module, inputs: tuple[torch.Tensor, ...], config: Config) -> tuple[list[PassRecord], str]:
+    """The Dynamo stage run independently of the diff, as the backend runs it; returns its records
+    and the precision report's text."""
+    model = copy.deepcopy(model)
+    install_state(model)
+    cfg = config.resolved(torch.device("cpu"))
+    (gm, example), = capture(model, *inputs)
+    seed_inputs(gm, example)
+    records = run_stage(gm, cfg, "dynamo", PIPELINE)
+    return records, str(precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute))
+
+
+def _by_name(records: list[PassRecord]) -> dict[str, dict[str, int]]:
+    return {r.name: dict(r.counts) for r in records}
+
+
+@pytest.mark.parametrize("case", ["tiny", "mlp_emulated"])
+def test_summary_counts_equal_pass_records(case: str) -> None:
+    if case == "tiny":
+        model, inputs = tiny_case()
+        config = NATIVE_ALL
+    else:
+        model, inputs, _ = mlp_case()
+        config = Config(compute="emulate", scaling=ScalingConfig(placement="all"))
+    records, report = _records(model, inputs, config)
+    passes = _by_name(records)
+    torch._dynamo.reset()
+    d = diff(model, inputs, config=config)
+    s = d.summary
+
+    # the diff ran the same passes, with the same results
+    assert [(p.name, dict(p.counts)) for p in s.passes if p.stage == "dynamo"] == \
+        [(r.name, dict(r.counts)) for r in records]
+    joint = [p for p in s.passes if p.stage == "joint"]
+    assert [p.name for p in joint] == [spec.name for spec in PIPELINE if spec.stage == "joint"]
+    assert report.startswith(f"converted {s.converted} of {s.total} nodes to float16 using {s.casts} casts")
+
+    # rescale points: what insert_grad_scaling counted, and what the sections show
+    scaling = passes["insert_grad_scaling"]
+    assert s.scale_points == scaling["scale_points"] > 0
+    assert s.unscale_points == scaling["unscaled"]
+    assert s.align_points == scaling["aligned"]
+    assert d.forward.count("inserted", "scale") == s.scale_points
+    assert d.forward.count("inserted", "unscale") == s.unscale_points
+    assert Counter(i.kind for i in d.scale_ops) == Counter(
+        {"scale": s.scale_points, "unscale": s.unscale_points, "align": s.align_points}) - Counter()
+    groups = {e.scale_op for e in d.backward.entries if e.scale_op is not None}
+    assert groups == {i.node for i in d.scale_ops}  # every rescale point has a backward
+
+    # casts: inserted by convert_precision (and fold_casts' shortened recasts), minus those folded
+    folded = passes["fold_casts"].get("erased", 0)
+    assert len(d.forward.folded) == folded
+    assert s.casts_folded == folded + sum(p.counts.get("erased", 0) for p in joint)
+    created_folded = sum(1 for f in d.forward.folded if f.created_by in ("convert_precision", "fold_casts"))
+    assert s.casts == (passes["convert_precision"]["casts"] + passes["fold_casts"].get("shortened", 0)
+                       - created_folded)
+    assert d.forward.count("inserted", "cast") == s.casts
+    emulation = passes.get("emulate_compute", {})
+    assert s.emulation_casts == emulation.get("upcasts", 0) + emulation.get("emulated", 0) - sum(
+        1 for f in d.forward.folded if f.created_by == "emulate_compute")
+    assert d.forward.count("inserted", "emulation") == s.emulation_casts
+    # the model's own casts that were folded show as removed nodes
+    own = {f.name for f in d.forward.folded if f.created_by is None}
+    assert own <= {e.name for e in d.forward.entries if e.status == "removed"}
+
+
+def test_tiny_diff_contents(tiny: GraphDiff) -> None:
+    fwd = {e.name: e for e in tiny.forward.entries}
+    linear = fwd["linear"]
+    assert (linear.status, linear.dtype_before, linear.dtype_after) == ("changed", "float32", "float16")
+    assert linear.provenance is not None and linear.provenance.pass_name == "convert_precision"
+    assert fwd["attach"].status == "removed"
+    assert fwd["float_1"].status == "removed" and fwd["float_1"].provenance is not None
+    assert fwd["float_1"].provenance.pass_name == "fold_casts"
+    assert [i.op for i in tiny.summary.islands] == ["cross_entropy"]
+    points = [i for i in tiny.scale_ops if i.kind == "scale"]
+    assert {i.layer for i in points} == {"fc1", "fc2"}
+    for i in points:
+        assert i.row is not None and i.underflow is not None and 0 <= i.underflow <= 1
+        assert i.scale > 1 and math.frexp(i.scale)[0] == 0.5  # a power of two
+        assert fwd[i.node].scale == i
+    # backward: the gradient casts derive from the forward casts that made them
+    casts = [e for e in tiny.backward.entries if e.status == "inserted" and e.kind == "cast"]
+    assert len(casts) == tiny.summary.backward_casts > 0
+    for e in casts:
+        assert e.provenance is not None and e.provenance.derived_from in fwd
+        assert fwd[e.provenance.derived_from].provenance is not None
+
+
+def test_user_model_untouched() -> None:
+    model, inputs = tiny_case()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    d = diff(model, inputs, config=NATIVE_ALL)
+    assert d.summary.scale_points > 0
+    assert "forward" not in vars(model) and not list(model.buffers())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_model_with_scaler_state() -> None:
+    model, inputs = tiny_case()
+    autoscale.GradScaler(model)
+    forward = model.forward
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    d = diff(model, inputs, config=NATIVE_ALL)
+    assert d.summary.scale_points == 2
+    assert model.forward is forward
+    assert all(torch.equal(buffers[k], v) for k, v in model.named_buffers())
+
+
+def test_repeated_diffs_do_not_hit_the_recompile_limit() -> None:
+    model, inputs = tiny_case()
+    config = Config(compute="native", scaling=ScalingConfig(mode="none"))  # cheapest: no scale points
+    config_ = torch._dynamo.config
+    limit = getattr(config_, "recompile_limit", None) or config_.cache_size_limit
+    for _ in range(limit + 1):
+        assert diff(model, inputs, config=config).summary.scale_points == 0
+
+
+def test_no_gradients_no_backward() -> None:
+    model, inputs = tiny_case()
+    model.requires_grad_(False)
+    d = diff(model, inputs, config=NATIVE_ALL)
+    assert d.backward.entries == () and d.summary.scale_points == 0
+    assert "nothing in the model requires a gradient" in d.to_text()
+    assert "forward" in d.to_json()
+
+
+def test_bad_arguments() -> None:
+    model, inputs = tiny_case()
+    with pytest.raises(ValueError, match="tuple"):
+        diff(model, inputs[0], config=NATIVE_ALL)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="autoscale.Config"):
+        diff(model, inputs, config=ScalingConfig())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ JSON
+
+
+def test_json_validates_against_schema(tiny: GraphDiff) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    spec = schema()
+    jsonschema.Draft202012Validator.check_schema(spec)
+    for doc in (tiny.to_json(), tiny.to_json(backward_only=True)):
+        doc = json.loads(json.dumps(doc))  # plain JSON types only
+        jsonschema.Draft202012Validator(spec).validate(doc)
+    doc = tiny.to_json()
+    assert doc["schema_version"] == 1
+    assert doc["summary"]["scale_points"] == tiny.summary.scale_points
+    assert doc["forward"]["counts"]["inserted"] == tiny.forward.count("inserted")
+    bad = json.loads(json.dumps(doc))
+    bad["forward"]["entries"][0]["status"] = "moved"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(spec).validate(bad)
+
+
+# ------------------------------------------------------------------------------------ HTML
+
+
+def test_html_is_self_contained(tiny: GraphDiff) -> None:
+    page = tiny.to_html()
+    assert page.startswith("<!DOCTYPE html>")
+    for remote in ("http://", "https://", "<link", "@import", "url("):
+        assert remote not in page
+    assert page.count('class="node inserted scale"') == tiny.summary.scale_points
+    assert page.count('class="node inserted cast"') == tiny.summary.casts + tiny.summary.backward_casts
+
+
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium not installed (`make test` installs Debian's chromium when apt works)")
+
+
+def _chromium(*args: str) -> subprocess.CompletedProcess[str]:
+    assert CHROMIUM is not None
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                           "--no-first-run", "--disable-extensions", *args],
+                          capture_output=True, text=True, timeout=180, check=False)
+
+
+def _png_pixels(path: Path) -> tuple[int, int, bytes]:
+    """Width, height and the decompressed (filtered) scanlines of a PNG, with the standard library."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, width, height = 8, b"", 0, 0
+    while pos < len(data):
+        (length,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height = struct.unpack(">II", body[:8])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    return width, height, zlib.decompress(idat)
+
+
+@needs_chromium
+def test_html_screenshot(tiny: GraphDiff, tmp_path: Path) -> None:
+    page = tmp_path / "diff.html"
+    page.write_text(tiny.to_html())
+    shot = tmp_path / "diff.png"
+    result = _chromium(f"--screenshot={shot}", "--window-size=1400,900", page.as_uri())
+    assert shot.exists(), result.stderr[-2000:]
+    width, height, pixels = _png_pixels(shot)
+    assert (width, height) == (1400, 900)
+    # non-trivial: text and coloured rows, not a blank page (a blank one compresses to almost nothing)
+    assert shot.stat().st_size > 20_000
+    assert len(set(pixels)) > 64
+
+
+class _Classes(HTMLParser):
+    """Records, per element, its classes and the id of the <section> it is in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements: list[tuple[str | None, str, set[str], dict[str, str | None]]] = []
+        self.section: str | None = None
+        self.root: dict[str, str | None] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "html":
+            self.root = a
+        if tag == "section":
+            self.section = a.get("id")
+        self.elements.append((self.section, tag, set((a.get("class") or "").split()), a))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "section":
+            self.section = None
+
+    def count(self, section: str, *classes: str) -> int:
+        return sum(1 for s, _, c, _ in self.elements if s == section and set(classes) <= c)
+
+
+@needs_chromium
+def test_html_dom(tiny: GraphDiff, tmp_path: Path) -> None:
+    page = tmp_path / "diff.html"
+    page.write_text(tiny.to_html())
+    result = _chromium("--dump-dom", page.as_uri())
+    assert result.returncode == 0 and "<section" in result.stdout, result.stderr[-2000:]
+    dom = _Classes()
+    dom.feed(result.stdout)
+    s = tiny.summary
+    assert dom.root.get("data-js") == "ready"  # the page's script ran without error
+    summary = next(a for _, _, _, a in dom.elements if a.get("id") == "summary")
+    assert summary["data-scale-points"] == str(s.scale_points)
+    assert summary["data-casts"] == str(s.casts)
+    # forward: inserted casts and rescale points carry their highlight classes, as many as the summary says
+    assert dom.count("forward", "node", "inserted", "scale") == s.scale_points > 0
+    assert dom.count("forward", "node", "inserted", "unscale") == s.unscale_points
+    assert dom.count("forward", "node", "inserted", "cast") == s.casts > 0
+    assert dom.count("forward", "node", "removed") == tiny.forward.count("removed")
+    # backward: one highlighted group per rescale point, its ATen nodes inside
+    assert dom.count("backward", "scale-op", "scale") == s.scale_points
+    assert dom.count("backward", "scale-op", "unscale") == s.unscale_points
+    assert dom.count("backward", "node", "inserted", "cast") == s.backward_casts > 0
+    assert dom.count("backward", "node", "scale_op") == sum(i.backward_nodes for i in tiny.scale_ops)
+    # the numbers are on hover (title) and in the table
+    titled = [a for sec, _, c, a in dom.elements if sec == "forward" and {"node", "scale"} <= c]
+    assert all("predicted underflow" in (a.get("title") or "") for a in titled)
+    assert dom.count("forward", "numbers") == 1
