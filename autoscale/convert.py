@@ -25,7 +25,6 @@ code of the model's class.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import io
 import logging
 import operator
@@ -49,6 +48,7 @@ from torch.fx.node import _get_qualified_name, map_aggregate
 from autoscale.backend import CompileRecord, _register, rewrite_graph
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport
+from autoscale.ops import resolve
 from autoscale.passes.graph_utils import PROVENANCE_KEY
 from autoscale.runtime import ScaleState, install_state, unwrap
 
@@ -680,27 +680,13 @@ def _qualified_name(target: Any) -> str:
     """The importable name of a call's target; refused at save time if ``load`` would not find it."""
     try:
         name = _get_qualified_name(target)
-        found = _resolve(name) is target
+        found = resolve(name) is target
     except Exception:
         found, name = False, repr(target)
     if not found:
         raise ConvertError(f"cannot save: the graph calls {name}, which cannot be imported by name (a lambda or "
                            "local function?); call module-level functions from the forward")
     return name
-
-
-def _resolve(name: str) -> Any:
-    """The object ``name`` (``module.attr.attr``) stands for: the longest importable prefix, then attributes."""
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for part in parts[i:]:
-            obj = getattr(obj, part)
-        return obj
-    raise ImportError(f"cannot import {name}")
 
 
 def _load_graph(saved: dict[str, Any]) -> GraphModule:
@@ -711,7 +697,7 @@ def _load_graph(saved: dict[str, Any]) -> GraphModule:
         return env[a.name] if isinstance(a, _NodeRef) else a
 
     for entry in saved["nodes"]:
-        target = _resolve(entry["target"]) if entry["op"] == "call_function" else entry["target"]
+        target = resolve(entry["target"]) if entry["op"] == "call_function" else entry["target"]
         node = graph.create_node(entry["op"], target, map_aggregate(entry["args"], node_of),
                                  map_aggregate(entry["kwargs"], node_of), name=entry["name"], type_expr=entry["type"])
         if node.name != entry["name"]:

@@ -59,11 +59,11 @@ __all__ = [
     "schema",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the JSON document ``GraphDiff.to_json`` returns; bumped on any incompatible change."""
 
 Status = Literal["unchanged", "changed", "inserted", "removed"]
-Kind = Literal["input", "output", "op", "cast", "emulation", "scale", "unscale", "align", "scale_op"]
+Kind = Literal["input", "output", "op", "emulated", "cast", "scale", "unscale", "align", "scale_op"]
 ScaleKind = Literal["scale", "unscale", "align"]
 
 _REASONS_ERASED = {
@@ -199,7 +199,8 @@ class DiffSummary:
     """The headline numbers, summed over the model's graphs (one per graph break).
 
     ``converted``/``total``/``casts``/``islands``/``unknown_ops``: the precision report
-    (``autoscale.inspect.precision_report``). ``emulation_casts``: casts of emulated compute.
+    (``autoscale.inspect.precision_report``). ``emulated_ops``: ops computed in float32 from
+    low-precision inputs (``compute="emulate"``).
     ``casts_folded``: casts ``fold_casts`` erased (both stages). ``backward_casts``: casts the
     backward graph gained outside the rescale points. ``scale_points``/``unscale_points``/
     ``align_points``: the rescale nodes ``insert_grad_scaling`` inserted. ``max_underflow``: the
@@ -214,7 +215,7 @@ class DiffSummary:
     converted: int
     total: int
     casts: int
-    emulation_casts: int
+    emulated_ops: int
     casts_folded: int
     backward_casts: int
     scale_points: int
@@ -727,9 +728,8 @@ def _kind(node: Node, info: ScaleInfo | None) -> Kind:
     if node.op == "output":
         return "output"
     if cast_of(node) is not None:
-        prov = node.meta.get(PROVENANCE_KEY) or {}
-        return "emulation" if prov.get("created") and prov.get("pass") == "emulate_compute" else "cast"
-    return "op"
+        return "cast"
+    return "emulated" if (node.meta.get(PROVENANCE_KEY) or {}).get("emulated") else "op"
 
 
 def _backward_entries(g: _Graph, infos: Mapping[Node, ScaleInfo]) -> tuple[list[NodeEntry], dict[str, int]]:
@@ -819,7 +819,7 @@ def _assemble(graphs: list[_Graph], cfg: Config) -> GraphDiff:
         dtype=dtype_name(cfg.dtype), compute=cfg.compute, graphs=len(graphs),
         converted=sum(r.converted for r in reports), total=sum(r.total for r in reports),
         casts=sum(r.casts for r in reports),
-        emulation_casts=sum(1 for e in forward if e.status == "inserted" and e.kind == "emulation"),
+        emulated_ops=sum(1 for e in forward if e.kind == "emulated"),
         casts_folded=len(folded_f) + len(folded_b),
         backward_casts=sum(1 for e in backward if e.status == "inserted" and e.kind == "cast"),
         scale_points=sum(1 for s in scale_ops if s.kind == "scale"),
@@ -968,10 +968,10 @@ def _hunk_header(section: str, graph: int, entries: list[NodeEntry]) -> str:
 
 
 def _summary_details(s: DiffSummary, d: GraphDiff) -> list[str]:
-    lines = [f"dtype {s.dtype}, compute {s.compute}, {s.graphs} graph{'s' if s.graphs != 1 else ''}; "
+    emulated = f" ({s.emulated_ops} ops emulated)" if s.compute == "emulate" else ""
+    lines = [f"dtype {s.dtype}, compute {s.compute}{emulated}, {s.graphs} graph{'s' if s.graphs != 1 else ''}; "
              f"rescale points: {s.scale_points} scale, {s.unscale_points} unscale, {s.align_points} align; "
-             f"casts: {s.casts} precision, {s.emulation_casts} emulation, {s.backward_casts} in the backward, "
-             f"{s.casts_folded} folded"]
+             f"casts: {s.casts} precision, {s.backward_casts} in the backward, {s.casts_folded} folded"]
     if s.islands:
         lines.append("FP32 islands: " + "; ".join(
             f"{i.op}{f' x{len(i.nodes)}' if len(i.nodes) > 1 else ''} -> {i.reason}" for i in s.islands))
@@ -1024,7 +1024,7 @@ def _render_json(d: GraphDiff, *, backward_only: bool) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "summary": {
             "text": str(s), "dtype": s.dtype, "compute": s.compute, "graphs": s.graphs,
-            "converted": s.converted, "total": s.total, "casts": s.casts, "emulation_casts": s.emulation_casts,
+            "converted": s.converted, "total": s.total, "casts": s.casts, "emulated_ops": s.emulated_ops,
             "casts_folded": s.casts_folded, "backward_casts": s.backward_casts, "scale_points": s.scale_points,
             "unscale_points": s.unscale_points, "align_points": s.align_points,
             "max_underflow": s.max_underflow, "max_underflow_node": s.max_underflow_node,
@@ -1062,7 +1062,7 @@ td.node.changed { background: var(--chg); border-left-color: #bf8700; }
 td.node.removed { background: var(--del); border-left-color: var(--del-b); text-decoration: line-through; }
 td.node.inserted { background: var(--ins); border-left-color: var(--ins-b); }
 td.node.inserted.cast, .legend .cast { background: var(--cast); border-left-color: var(--cast-b); }
-td.node.inserted.emulation, .legend .emulation { background: var(--emu); border-left-color: #8c959f; }
+td.node.emulated, .legend .emulated { background: var(--emu); border-left-color: #8c959f; }
 td.node.inserted.scale, .legend .scale, td.group.scale { background: var(--scale); border-left-color: var(--scale-b);
                                                         font-weight: 600; }
 td.node.inserted.unscale, td.node.inserted.align, .legend .unscale, td.group.unscale, td.group.align {
@@ -1115,7 +1115,7 @@ def _render_html(d: GraphDiff, *, backward_only: bool) -> str:
     s = d.summary
     infos = {(i.graph, i.node): i for i in d.scale_ops}
     data = {"scale-points": s.scale_points, "unscale-points": s.unscale_points, "align-points": s.align_points,
-            "casts": s.casts, "emulation-casts": s.emulation_casts, "backward-casts": s.backward_casts,
+            "casts": s.casts, "emulated-ops": s.emulated_ops, "backward-casts": s.backward_casts,
             "casts-folded": s.casts_folded, "converted": s.converted, "total": s.total}
     attrs = " ".join(f'data-{k}="{v}"' for k, v in data.items())
     parts = [
@@ -1131,7 +1131,7 @@ def _render_html(d: GraphDiff, *, backward_only: bool) -> str:
     parts.extend(f'<p class="details">{_esc(line)}</p>' for line in _summary_details(s, d))
     parts.append('<p class="legend"><span class="inserted">inserted</span><span class="removed">removed</span>'
                  '<span class="changed">changed</span><span class="cast">precision cast</span>'
-                 '<span class="emulation">emulation cast</span><span class="scale">scale point</span>'
+                 '<span class="emulated">emulated op</span><span class="scale">scale point</span>'
                  '<span class="unscale">unscale / align point</span> '
                  '<label><input type="checkbox" id="only-changes"> show only changes</label></p>')
     parts.append("</header>")

@@ -107,6 +107,7 @@ def format_graph(gm: GraphModule, *, provenance: bool = True) -> str:
         prov = node.meta.get(PROVENANCE_KEY)
         if provenance and prov:
             tag = "+" if prov.get("created") else prov.get("precision", "")
+            tag += ", emulated" if prov.get("emulated") else ""
             line += f"  # [{prov['pass']}{' ' + tag if tag else ''}] {prov['reason']}"
         lines.append(line)
     return "\n".join(lines) + "\n"

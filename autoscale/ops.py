@@ -17,16 +17,21 @@ Statistics are normalized by the scale the gradient arrived with, so the update 
 magnitudes at unit scale and needs no knowledge of the graph. ``scale_and_measure`` is the
 point's computation: the fused Triton kernel on CUDA, plain torch that Inductor fuses elsewhere.
 ``scale_grad_reference`` is the oracle both are tested against.
+
+``emulated(op, dtype, *args, **kwargs)`` is a low-precision op computed in float32: what
+``Config(compute="emulate")`` turns every low-precision GEMM into (``passes/emulate_compute.py``).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["COUNTS", "FP16_MAX", "NUM_STATS", "STAT", "Measured", "attach", "headroom", "rescale", "scale_and_measure",
-           "scale_grad_reference"]
+__all__ = ["COUNTS", "FP16_MAX", "NUM_STATS", "STAT", "Measured", "attach", "emulated", "headroom", "rescale",
+           "resolve", "scale_and_measure", "scale_grad_reference"]
 
 FP16_MAX = 65504.0
 
@@ -192,3 +197,36 @@ def rescale(x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows
     """Identity forward; backward rescales the gradient and records its statistics (see the module)."""
     out: torch.Tensor = _Rescale.apply(x, scales, stats, out_rows, in_rows, record_rows, weight_grad, moments)
     return out
+
+
+def emulated(op: str, dtype: torch.dtype, /, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``op(*args, **kwargs)`` in float32 from its ``dtype`` inputs, rounded to ``dtype``.
+
+    ``op`` is the op's importable name (``torch._C._nn.linear``, ``torch.Tensor.matmul``): FX
+    generates Python source for its graphs, which can hold a name but not a function as an
+    argument. A product of two float16 (or bfloat16) numbers is exact in float32 and GPU tensor
+    cores accumulate in float32, so this computes what native low precision computes, up to
+    summation order, at float32 GEMM speed. Autograd differentiates through the casts, so the
+    backward GEMMs are emulated alike: each gradient leaving the op is rounded to ``dtype``, as a
+    native GEMM's output is.
+    """
+    up = tuple(a.to(torch.float32) if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args)
+    kw = {k: v.to(torch.float32) if isinstance(v, torch.Tensor) and v.dtype == dtype else v for k, v in kwargs.items()}
+    out: torch.Tensor = resolve(op)(*up, **kw)
+    return out.to(dtype)
+
+
+@functools.cache
+def resolve(name: str) -> Any:
+    """The object an importable dotted ``name`` stands for: the longest importable prefix, then
+    attributes (``torch.ops.aten.mm.default``). ``ImportError``/``AttributeError`` if none."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(f"cannot import {name}")

@@ -35,10 +35,10 @@ PIPELINE: tuple[PassSpec, ...] = (
     # Dynamo's torch-level graph, before autograd: what is computed in which dtype.
     PassSpec(remove_inplace, "dynamo"),
     PassSpec(convert_precision, "dynamo"),
-    PassSpec(emulate_compute, "dynamo"),
     PassSpec(analyze_underflow, "dynamo"),
     PassSpec(insert_grad_scaling, "dynamo"),
     PassSpec(fold_casts, "dynamo"),
+    PassSpec(emulate_compute, "dynamo"),  # last: the passes above see each op itself
     # AOTAutograd's joint forward+backward ATen graph, before partitioning.
     PassSpec(fold_casts, "joint"),
 )

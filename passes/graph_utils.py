@@ -13,6 +13,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 
+from autoscale.ops import emulated, resolve
+
 from .op_tables import FIXED, VIEWS
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "is_inplace",
     "layer_of",
     "mutated_aliases",
+    "new_node",
     "op_name",
     "provenance",
     "redirect_uses",
@@ -84,8 +87,11 @@ def is_inplace(node: Node) -> bool:
 
 
 def op_name(node: Node) -> str | None:
-    """The table key of a call node: its op's name with any in-place ``_`` suffix removed."""
+    """The table key of a call node: its op's name with any in-place ``_`` suffix removed. For an
+    ``emulated(op, dtype, ...)`` call (``emulate_compute``), the name of ``op``."""
     name = target_name(node)
+    if node.target is emulated and node.args and isinstance(node.args[0], str):
+        name = _function_name(resolve(node.args[0]))
     return name[:-1] if name is not None and _has_inplace_suffix(name) else name
 
 
@@ -224,6 +230,23 @@ def _same_place(src: Node, kwargs: dict[str, Any]) -> bool:
                  or (isinstance(val, torch.Tensor) and torch.device(kwargs["device"]) == val.device)))
 
 
+def new_node(graph: Graph, op: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Node:
+    """``graph.create_node(op, target, args, kwargs)`` at the insert point, for arguments that hold
+    only nodes and plain constants (dtypes, ints, tuples of them), as the passes' own nodes do.
+
+    Since torch 2.13, ``create_node`` walks every argument with pytree to warn about raw SymInts;
+    at ~40% of its cost, that walk was the largest single item of the passes on a 10,000-node
+    graph (docs/results/compile_time.md). The node is created bare and its arguments assigned
+    through ``Node.args``/``Node.kwargs``, which keep the use lists exactly as ``create_node``
+    would. Arguments copied from the user's graph keep going through ``create_node``.
+    """
+    node = graph.create_node(op, target)
+    node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node
+
+
 def insert_cast(graph: Graph, src: Node, dtype: torch.dtype, *, before: Node, like: Node | None = None) -> Node:
     """Insert ``src.to(dtype)`` right before ``before`` (the first op that reads it).
 
@@ -232,7 +255,7 @@ def insert_cast(graph: Graph, src: Node, dtype: torch.dtype, *, before: Node, li
     layer (``fwd_nn_module_stack``).
     """
     with graph.inserting_before(before):
-        cast = graph.call_method("to", (src,), {"dtype": dtype})
+        cast = new_node(graph, "call_method", "to", (src,), {"dtype": dtype})
     val = tensor_val(src)
     if isinstance(val, torch.Tensor):
         cast.meta["val"] = retyped(val, dtype)

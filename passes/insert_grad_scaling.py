@@ -38,6 +38,7 @@ from .graph_utils import (
     dtype_name,
     float_dtype,
     layer_of,
+    new_node,
     op_name,
     provenance,
     redirect_uses,
@@ -109,8 +110,8 @@ def _initial_scales(points: list[ScalePoint], state: _State, headroom: float) ->
 def scale_points(graph: Graph, cfg: Config, requires: dict[Node, bool] | None = None) -> list[ScalePoint]:
     """Candidate scale points, with the analysis' predictions (rate 1 where it has none).
 
-    The low-precision output of an allow-list op (after ``emulate_compute``, the cast that rounds
-    it): it governs the op's incoming gradient and the gradients of its inputs (G_x, dW). And a
+    The low-precision output of an allow-list op: it governs the op's incoming gradient and the
+    gradients of its inputs (G_x, dW). And a
     cast out of low precision inserted by the precision pass: it governs the gradient its
     backward rounds into low precision. Where such a cast is the only reader of an allow-list op's
     output (a convolution feeding float32 batch norm), the two would scale the same gradient one
@@ -124,16 +125,11 @@ def scale_points(graph: Graph, cfg: Config, requires: dict[Node, bool] | None = 
         if not requires[n] or n.op not in ("call_function", "call_method"):
             continue
         if category_of(op_name(n) or "", cfg.op_overrides) is Category.ALLOW:
-            users = list(n.users)
-            if float_dtype(n) == low:
-                target = n
-            elif len(users) == 1 and cast_of(users[0]) == (n, low):  # emulated: its rounding cast
-                target = users[0]
-            else:
+            if float_dtype(n) != low:
                 continue
-            governed = [target, *(a for a in n.all_input_nodes if requires.get(a))]
-            gemm_points[target] = (len(points), governed, n.name)
-            points.append(_point(target, f"gradient into the backward GEMMs of {n.name}", governed))
+            governed = [n, *(a for a in n.all_input_nodes if requires.get(a))]
+            gemm_points[n] = (len(points), governed, n.name)
+            points.append(_point(n, f"gradient into the backward GEMMs of {n.name}", governed))
         elif n.meta.get(PROVENANCE_KEY, {}).get("pass") == "convert_precision":
             cast = cast_of(n)
             if cast is None or float_dtype(cast[0]) != low or cast[1] != torch.float32:
@@ -178,9 +174,9 @@ class _State:
     def _rescale(self, x: Node, out_rows: Rows, in_rows: Rows, record: Rows, *, after: Node, like: Node,
                  reason: str, weight_grad: bool = False) -> Node:
         with self.graph.inserting_after(after):
-            node = self.graph.call_function(rescale, (x, self.scales, self.stats, tuple(sorted(out_rows)),
-                                                      tuple(sorted(in_rows)), tuple(sorted(record)), weight_grad,
-                                                      self.moments))
+            node = new_node(self.graph, "call_function", rescale, (
+                x, self.scales, self.stats, tuple(sorted(out_rows)), tuple(sorted(in_rows)), tuple(sorted(record)),
+                weight_grad, self.moments))
         for key in ("nn_module_stack", "stack_trace"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch.fx import GraphModule, Node
 
 import autoscale
+from autoscale import ops
 from autoscale.passes import PIPELINE, PassResult, PassSpec, fold_casts
 from autoscale.passes.fold_casts import is_lossless
 from autoscale.passes.graph_utils import cast_of, float_dtype, op_name
@@ -108,11 +109,9 @@ def _check_painting(gm: GraphModule, low: torch.dtype, *, emulated: bool) -> Non
         category = category_of(op_name(node) or "")
         inputs = _float_inputs(node)
         if category is Category.ALLOW and float_dtype(node) is not None:
-            if emulated:  # float32 arithmetic on exact upcasts of low values, result rounded
-                assert all(cast_of(a) and float_dtype(cast_of(a)[0]) == low for a in inputs), node.name
-                assert [cast_of(u)[1] for u in node.users if cast_of(u)] == [low], node.name
-            else:
-                assert all(float_dtype(a) == low for a in inputs), node.name
+            assert float_dtype(node) == low and all(float_dtype(a) == low for a in inputs), node.name
+            # emulated: float32 arithmetic on exact upcasts of the low values, result rounded
+            assert (node.target is ops.emulated) == emulated, node.name
         elif category is Category.DENY:
             assert all(float_dtype(a) == torch.float32 for a in inputs), node.name
             assert float_dtype(node) in (torch.float32, None), node.name
