@@ -30,10 +30,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["COUNTS", "FP16_MAX", "NUM_STATS", "STAT", "Measured", "attach", "emulated", "headroom", "rescale",
+__all__ = ["COUNTS", "FP16_MAX", "NUM_STATS", "SCALE_RANGE", "STAT", "Measured", "attach", "emulated", "headroom", "rescale",
            "resolve", "scale_and_measure", "scale_grad_reference"]
 
 FP16_MAX = 65504.0
+
+
+SCALE_RANGE = (2.0**-24, 2.0**40)
+"""The per-layer scales' range: far beyond what float16 needs (a gradient scaled by 2^40 would
+have been ~1e-12 at unit scale, below every float16 value), and well inside float32's, so a scale,
+its reciprocal and a product of two stay finite."""
 
 
 def headroom(margin: int) -> float:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from autoscale.config import Config, ScalingConfig
-from autoscale.ops import FP16_MAX, STAT, headroom
+from autoscale.ops import FP16_MAX, SCALE_RANGE, STAT, headroom
 from autoscale.runtime import LOSS_ROW, ScaleState, install_state, unwrap
 
 __all__ = ["GradScaler", "LayerReport"]
@@ -40,7 +40,6 @@ __all__ = ["GradScaler", "LayerReport"]
 log = logging.getLogger("autoscale")
 
 FP16_MIN_SUBNORMAL = 2.0**-24
-_SCALE_RANGE = (2.0**-24, 2.0**40)
 
 
 class _Stage(Enum):
@@ -270,7 +269,7 @@ class GradScaler:
         cfg = self.config
         due = (self._steps + 1) % cfg.update_every == 0
         bound = self._paper_scales(self._state.stats) if due and cfg.rule == "paper" else None
-        high = _SCALE_RANGE[1] if cfg.scale_upper_bound is None else min(_SCALE_RANGE[1], cfg.scale_upper_bound)
+        high = SCALE_RANGE[1] if cfg.scale_upper_bound is None else min(SCALE_RANGE[1], cfg.scale_upper_bound)
         return adaptive_update(self._state.scales, self._state.stats, self._last_stats, self._overflows,
                                self._skips, self._found_inf, bound, due=due, backoff=cfg.backoff_factor,
                                high=high, headroom=headroom(cfg.margin))
@@ -335,7 +334,7 @@ def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch
     else:
         stats.masked_fill_(flagged[:, None], 0.0)
     new[LOSS_ROW] = scales[LOSS_ROW]
-    torch.clamp(new, _SCALE_RANGE[0], high, out=scales)
+    torch.clamp(new, SCALE_RANGE[0], high, out=scales)
     found_inf.zero_()
     return overflow
 

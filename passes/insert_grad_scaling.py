@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autoscale.ops import headroom, rescale
+from autoscale.ops import SCALE_RANGE, headroom, rescale
 from autoscale.runtime import LAYOUT_SEP, LOSS_ROW
 
 from .analyze_underflow import MOMENTS_KEY
@@ -98,13 +98,16 @@ class ScalePoint:
 
 
 def _initial_scales(points: list[ScalePoint], state: _State, headroom: float) -> dict[int, float]:
-    """Per row, the headroom rule applied to the predicted magnitudes: the scales to start from."""
+    """Per row, the headroom rule applied to the predicted magnitudes: the scales to start from,
+    within the scaler's range (a deep chain can predict gradients too small for any float32 scale)."""
     amax: dict[int, float] = {}
     for p in points:
         if p.amax is not None and p.amax > 0:
             row = state.row(p.layer)
             amax[row] = max(amax.get(row, 0.0), p.amax)
-    return {row: 2.0 ** math.floor(math.log2(headroom / a)) for row, a in amax.items()}
+    low, high = (math.log2(s) for s in SCALE_RANGE)
+    return {row: 2.0 ** min(max(math.floor(math.log2(headroom) - math.log2(a)), low), high)
+            for row, a in amax.items()}
 
 
 def scale_points(graph: Graph, cfg: Config, requires: dict[Node, bool] | None = None) -> list[ScalePoint]:

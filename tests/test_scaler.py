@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import autoscale
 from autoscale import GradScaler, ScalingConfig
-from autoscale.ops import NUM_STATS, STAT
+from autoscale.ops import NUM_STATS, SCALE_RANGE, STAT
 from autoscale.scaler import adaptive_update
 from benchmarks.stress_underflow import best_global_scale, run, table
 from tests.helpers import Comparison, assert_matches_fp32, keeps_roundings, step
@@ -123,6 +123,22 @@ def test_a_convolution_feeding_float32_batch_norm_gets_one_point_on_the_cast() -
     counts = {r.name: r.counts for r in backend.records[0].passes}
     assert counts["insert_grad_scaling"]["scale_points"] == 4  # stem, block.conv1, block.conv2, head
     assert {r.name for r in scaler.layers()} >= {"stem", "block.conv1", "block.conv2", "head"}
+
+
+def test_initial_scales_stay_in_range_when_predicted_gradients_are_vanishingly_small() -> None:
+    """Weights 1e-20 times too small: the predicted gradients of the first layers are ~1e-40, whose
+    headroom scale (~2^150) float32 cannot hold. The compile used to fail; the first step's scales
+    are now clamped to the scaler's range."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e-20)
+    scaler = GradScaler(model)
+    compiled = torch.compile(model, backend=autoscale.backend(EAGER))
+    scaler.scale(F.cross_entropy(compiled(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3]))).backward()
+    scales = dict(model.named_buffers())["_autoscale_scales"]  # the first step's, before any update()
+    assert scales.max() == SCALE_RANGE[1] and scales.min() >= SCALE_RANGE[0]
 
 
 def test_twenty_steps_with_changing_scales_compile_once() -> None:
