@@ -70,7 +70,7 @@ def assert_one_line_error(r: Result, *words: str) -> None:
 
 def train_with_telemetry(path: Path, steps: int = 16, overflow_at: Sequence[int] = (5, 11)) -> None:
     """A tiny MLP trained with autoscale.GradScaler(telemetry=path). Scale points at every layer
-    (``placement="all"``: nothing in so small a model is predicted to underflow), and inputs
+    (``placement="all"``, the default, spelled out), and inputs
     blown up by 1e5 at ``overflow_at`` so float16 overflows and those steps are skipped."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))

@@ -34,7 +34,7 @@ from tests.helpers import Comparison, assert_matches_fp32, loss_of
 from tests.models import conv_case, mlp_case, transformer_case
 
 REPO = Path(__file__).resolve().parents[1]
-# placement is compile-time: these small models need no scale point, so place them everywhere
+# placement is compile-time ("all", the default, spelled out: these tests count the points)
 EVERYWHERE = autoscale.Config(executor="eager", scaling=autoscale.ScalingConfig(placement="all"))
 CASES = {"mlp": mlp_case, "conv": conv_case, "transformer": transformer_case}
 
@@ -100,7 +100,7 @@ def test_converted_step_is_the_backends_bit_for_bit(case: str) -> None:
 def test_converted_gradients_match_fp32_within_tolerance() -> None:
     model, inputs, targets = conv_case()
     reference = copy.deepcopy(model)
-    converted = convert(model, inputs)  # the default config: predicted placement, emulated float16 on CPU
+    converted = convert(model, inputs)  # the default config: emulated float16 on CPU
     loss = loss_of(converted, inputs, targets)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
