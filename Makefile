@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoscale-installed
 
-.PHONY: demo test lint clean chromium
+.PHONY: demo test lint clean chromium bench-numerics
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,8 +32,12 @@ chromium:
 test: $(STAMP) chromium
 	$(PY) -m pytest -m "not slow" -q
 
+# The numerics benchmark (about an hour on 2 cores; --quick: under 3 minutes): docs/results/numerics.md.
+bench-numerics: $(STAMP)
+	$(PY) -m benchmarks.numerics
+
 lint: $(STAMP)
-	$(PY) -m ruff check autoscale passes tests examples
+	$(PY) -m ruff check autoscale passes tests examples benchmarks
 	$(PY) -m mypy
 
 clean:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -212,20 +213,26 @@ def test_inf_in_one_layer_skips_the_step_and_backs_off_only_that_layer() -> None
 
 @pytest.mark.parametrize("due", [True, False])
 def test_adaptive_update_rule(due: bool) -> None:
-    """Row by row: a measured row gets 2^floor(log2(headroom/amax)); a flagged row halves and, with
-    it, no row is measured (the step overflowed); statistics clear when used; the loss row stays."""
+    """Row by row: a measured row gets 2^floor(log2(headroom/amax)) (rising at most ``growth``-fold
+    per update); a flagged row halves and, with it, no row is measured (the step overflowed);
+    statistics clear when used; the loss row stays."""
     def state(nonfinite: float) -> tuple[torch.Tensor, ...]:
         stats = torch.zeros(4, NUM_STATS)
         stats[:, STAT["amax"]] = torch.tensor([1.0, 3.0, 0.0, 0.5])  # row 2 recorded nothing
         stats[3, STAT["nonfinite"]] = nonfinite
         return torch.tensor([1.0, 8.0, 8.0, 8.0]), stats, torch.zeros(4, NUM_STATS), torch.zeros(4), torch.zeros(())
-    kw = {"due": due, "backoff": 0.5, "high": 2.0**40, "headroom": 1000.0}
+    kw = {"due": due, "backoff": 0.5, "high": 2.0**40, "headroom": 1000.0, "growth": math.inf}
 
     scales, stats, last, overflows, skips = state(nonfinite=0.0)
     overflow = adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, **kw)
     assert not overflow and skips.item() == 0
     assert scales.tolist() == ([1.0, 256.0, 8.0, 1024.0] if due else [1.0, 8.0, 8.0, 8.0])  # 1000/3 -> 256
     assert stats.abs().sum().item() == (0.0 if due else 4.5)  # cleared only when used
+
+    scales, stats, last, overflows, skips = state(nonfinite=0.0)
+    stats[1, STAT["amax"]] = 500.0  # wants 2: falls at once; row 3 (wants 1024) rises only 2x
+    adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, **{**kw, "growth": 2.0})
+    assert scales.tolist() == ([1.0, 2.0, 8.0, 16.0] if due else [1.0, 8.0, 8.0, 8.0])
 
     scales, stats, last, overflows, skips = state(nonfinite=2.0)
     overflow = adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, **kw)
