@@ -13,10 +13,11 @@ Importing this package is cheap: it does not import triton, Inductor or initiali
 from __future__ import annotations
 
 from autoscale.backend import Backend, CompileRecord, backend
-from autoscale.config import Config, ScalingConfig, recipe, recipe_names
+from autoscale.config import Config, QuantConfig, ScalingConfig, recipe, recipe_names
 from autoscale.convert import ConvertedFileError, ConvertedModule, convert, load, save
 from autoscale.diff import GraphDiff, diff
 from autoscale.inspect import PrecisionReport
+from autoscale.quant import FakeQuant
 from autoscale.scaler import GradScaler, LayerReport
 
 __all__ = [
@@ -25,10 +26,12 @@ __all__ = [
     "Config",
     "ConvertedFileError",
     "ConvertedModule",
+    "FakeQuant",
     "GradScaler",
     "GraphDiff",
     "LayerReport",
     "PrecisionReport",
+    "QuantConfig",
     "ScalingConfig",
     "backend",
     "convert",

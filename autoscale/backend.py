@@ -145,6 +145,9 @@ def _register(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
     if state is None:
         return
     state.graphs += 1
+    if gm.meta.get("autoscale_scaling_needed", True):
+        state.scaled_graphs += 1
+        state.gradient_max = min(state.gradient_max, gm.meta.get("autoscale_gradient_max", state.gradient_max))
     for i in gm.meta.get("autoscale_checked_inputs", []):
         if isinstance(example_inputs[i], torch.Tensor):  # (a loaded converted module has no user inputs yet)
             state.checked[example_inputs[i]] = True

@@ -15,13 +15,14 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Config", "ScalingConfig", "recipe", "recipe_names"]
+__all__ = ["Config", "QuantConfig", "ScalingConfig", "recipe", "recipe_names"]
 
 Compute = Literal["auto", "native", "emulate"]
 Executor = Literal["inductor", "eager"]
 ScalingMode = Literal["adaptive", "dynamic", "static", "none"]
 
 _DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_FLOAT8_NAMES = ("float8", "fp8")
 _COMPUTES: tuple[str, ...] = ("auto", "native", "emulate")
 _EXECUTORS: tuple[str, ...] = ("inductor", "eager")
 _SCALING_MODES: tuple[str, ...] = ("adaptive", "dynamic", "static", "none")
@@ -58,7 +59,9 @@ class ScalingConfig:
     update_every: recompute the adaptive scales every F steps (statistics accumulate in between).
     scale_upper_bound: optional cap on any one scale.
     init_scale, growth_factor, backoff_factor, growth_interval: torch.amp.GradScaler's, for
-                "dynamic" (``init_scale`` is also the "static" scale).
+                "dynamic" (``init_scale`` is also the "static" scale). In "adaptive" mode,
+                ``growth_factor`` caps how much a layer's scale may rise per update (it falls at
+                once), and ``backoff_factor`` is what an overflowing layer's scale is multiplied by.
     """
 
     mode: ScalingMode = "adaptive"
@@ -98,6 +101,36 @@ class ScalingConfig:
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """Fake quantization for cyclic precision training (DESIGN.md §7; runtime: ``autoscale.FakeQuant``).
+
+    The forward bit-width is not here: it is runtime state (``FakeQuant.set_bits``/``step``), so a
+    schedule changes it every step without recompiling. Compile-time choices:
+
+    weights:     quantize each GEMM's weight per output channel (min/max of the weight).
+    activations: quantize each GEMM's activation inputs per tensor (running min/max).
+    grad_bits:   quantize the gradient arriving at each GEMM's output at this many bits, with
+                 stochastic rounding (CPT's fixed backward precision); None leaves it alone.
+    momentum:    of the activations' running min/max.
+    """
+
+    weights: bool = True
+    activations: bool = True
+    grad_bits: int | None = 8
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("weights", "activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"QuantConfig.{name}={getattr(self, name)!r} is not valid; it must be a bool")
+        bits = self.grad_bits
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16):
+            raise ValueError(f"QuantConfig.grad_bits={bits!r} is not valid; it must be None or an int in [2, 16]")
+        if not (isinstance(self.momentum, float | int) and 0.0 <= float(self.momentum) < 1.0):
+            raise ValueError(f"QuantConfig.momentum={self.momentum!r} is not valid; it must be in [0, 1)")
+
+
+@dataclass(frozen=True)
 class Config:
     """How autoscale rewrites a model.
 
@@ -111,6 +144,11 @@ class Config:
     allow, deny, infer, clear: extra op names for the precision tables (see
               ``autoscale.passes.op_tables``); an entry here overrides the built-in category.
     scaling:  gradient-scaling settings.
+    quant:    fake quantization of GEMM inputs and gradients (cyclic precision training), or None.
+    float8:   round every GEMM's inputs to float8 E4M3 (per-tensor current scaling) and the gradient
+              arriving at its output to E5M2 (after its layer's scale point), simulated; storage
+              between GEMMs stays ``dtype``. ``dtype="float8"`` (or "fp8") is shorthand for
+              ``dtype=torch.float16, float8=True``.
     verify:   after every pass, re-propagate fake values through the whole graph and check that
               the values the passes recorded match (slow: for developing passes; the "debug"
               recipe and the test suite turn it on).
@@ -124,10 +162,19 @@ class Config:
     infer: tuple[str, ...] = ()
     clear: tuple[str, ...] = ()
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    quant: QuantConfig | None = None
+    float8: bool = False
     verify: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.dtype, str) and self.dtype in _FLOAT8_NAMES:
+            object.__setattr__(self, "dtype", torch.float16)
+            object.__setattr__(self, "float8", True)
         object.__setattr__(self, "dtype", _normalize_dtype(self.dtype))
+        if not isinstance(self.float8, bool):
+            raise ValueError(f"Config.float8={self.float8!r} is not valid; it must be a bool")
+        if self.quant is not None and not isinstance(self.quant, QuantConfig):
+            raise ValueError(f"Config.quant must be a QuantConfig or None, got {type(self.quant).__name__}")
         _choice("Config", "compute", self.compute, _COMPUTES)
         _choice("Config", "executor", self.executor, _EXECUTORS)
         seen: dict[str, str] = {}
@@ -168,7 +215,7 @@ def _normalize_dtype(value: object) -> torch.dtype:
     if value not in _DTYPES.values():
         raise ValueError(
             f"Config.dtype={value!r} is not valid; allowed values: torch.float16, torch.bfloat16 "
-            "(or the strings 'float16', 'bfloat16')"
+            "(or the strings 'float16', 'bfloat16'), or 'float8' (float16 storage, float8 GEMM inputs)"
         )
     assert isinstance(value, torch.dtype)
     return value
@@ -178,6 +225,7 @@ _RECIPES: dict[str, Config] = {
     "default": Config(),
     "debug": Config(executor="eager", verify=True),
     "bf16": Config(dtype=torch.bfloat16),
+    "fp8": Config(dtype=torch.float16, float8=True),
 }
 
 
@@ -188,7 +236,7 @@ def recipe_names() -> tuple[str, ...]:
 
 def recipe(name: str, **changes: Any) -> Config:
     """A named, ready-made Config ("default", "debug": eager executor and verified passes,
-    "bf16"), optionally changed."""
+    "bf16", "fp8"), optionally changed."""
     if name not in _RECIPES:
         raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(map(repr, _RECIPES))}")
     return _RECIPES[name].replace(**changes) if changes else _RECIPES[name]

@@ -30,8 +30,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["COUNTS", "FP16_MAX", "NUM_STATS", "SCALE_RANGE", "STAT", "Measured", "attach", "emulated", "headroom", "rescale",
-           "resolve", "scale_and_measure", "scale_grad_reference"]
+__all__ = [
+    "COUNTS", "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "NUM_STATS", "SCALE_RANGE", "STAT", "Measured", "attach", "emulated",
+    "gradient_max", "headroom", "rescale", "resolve", "scale_and_measure", "scale_grad_reference",
+]
 
 FP16_MAX = 65504.0
 
@@ -42,9 +44,19 @@ have been ~1e-12 at unit scale, below every float16 value), and well inside floa
 its reciprocal and a product of two stay finite."""
 
 
-def headroom(margin: int) -> float:
-    """The largest gradient magnitude a scale may aim for: float16's max, ``2**margin`` below."""
-    return FP16_MAX / 2.0**margin
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: float8's forward format
+E5M2_MAX = float(torch.finfo(torch.float8_e5m2).max)  # 57344: float8's backward format
+
+
+def headroom(margin: int, fmax: float = FP16_MAX) -> float:
+    """The largest gradient magnitude a scale may aim for: the gradient format's max (float16's,
+    or E5M2's under ``Config.float8``), ``2**margin`` below."""
+    return fmax / 2.0**margin
+
+
+def gradient_max(float8: bool) -> float:
+    """The largest finite value of the format gradients are rounded to."""
+    return E5M2_MAX if float8 else FP16_MAX
 
 # Columns of the stats tensor (one row per layer).
 STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5, "numel": 6}

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autoscale.ops import NUM_STATS
+from autoscale.ops import FP16_MAX, NUM_STATS
 
 __all__ = ["LOSS_ROW", "LAYOUT_SEP", "ScaleState", "install_state", "state_of", "unwrap"]
 
@@ -42,6 +42,8 @@ class ScaleState:
         # backend registers them), so GradScaler.step need not read them again.
         self.checked: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.graphs = 0  # graphs the backend compiled against this state
+        self.scaled_graphs = 0  # of which with scale points (none in bfloat16: nothing to scale)
+        self.gradient_max = FP16_MAX  # the smallest max of the formats the graphs round gradients to
         self.layers: tuple[str, ...] = (_LOSS_NAME, *layer_names)
         self.layout = LAYOUT_SEP.join(self.layers)
         device = next((p.device for p in root.parameters()), torch.device("cpu"))

@@ -176,6 +176,14 @@ class GradScaler:
         self._stages.clear()
 
     @property
+    def scaling_needed(self) -> bool:
+        """False when every graph compiled against this scaler computes in bfloat16 (nothing to
+        scale: its exponent range is float32's); True otherwise, and before any graph is compiled."""
+        if self._state is None or not self._state.graphs:
+            return self.is_enabled()
+        return self._state.scaled_graphs > 0
+
+    @property
     def skipped_steps(self) -> int:
         """How many steps were skipped for inf/nan so far (reading it syncs with the device)."""
         return int(self._skips.item())
@@ -244,6 +252,9 @@ class GradScaler:
             log.warning("GradScaler: no graph compiled by autoscale uses this model's scales, so no layer was scaled; "
                         "compile the model with torch.compile(model, backend='autoscale') and create the "
                         "GradScaler before its first forward")
+        elif not self.scaling_needed:
+            log.info("GradScaler: the model computes in bfloat16, whose exponent range is float32's: no gradient "
+                     "scaling is needed, and every scale stays 1 (steps with inf/nan are still skipped)")
 
     def _update_dynamic(self, overflow: torch.Tensor) -> None:
         """torch.amp's rule (``_amp_update_scale_``) with hysteresis and a floor, on the device."""
@@ -272,7 +283,8 @@ class GradScaler:
         high = SCALE_RANGE[1] if cfg.scale_upper_bound is None else min(SCALE_RANGE[1], cfg.scale_upper_bound)
         return adaptive_update(self._state.scales, self._state.stats, self._last_stats, self._overflows,
                                self._skips, self._found_inf, bound, due=due, backoff=cfg.backoff_factor,
-                               high=high, headroom=headroom(cfg.margin))
+                               growth=cfg.growth_factor, high=high,
+                               headroom=headroom(cfg.margin, self._state.gradient_max))
 
     def _paper_scales(self, stats: torch.Tensor) -> torch.Tensor:
         """The IJCAI 2020 rule per row: s_uf from the predicted spread of the layer's GEMM output,
@@ -307,14 +319,17 @@ class GradScaler:
 
 def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch.Tensor, overflows: torch.Tensor,
                     skips: torch.Tensor, found_inf: torch.Tensor, bound: torch.Tensor | None, *, due: bool,
-                    backoff: float, high: float, headroom: float) -> torch.Tensor:
+                    backoff: float, growth: float, high: float, headroom: float) -> torch.Tensor:
     """The adaptive mode's ``update()``, in place on the state tensors; returns the overflow flag.
 
     A row whose statistics saw inf/nan (``stats`` non-finite column) has its scale multiplied by
     ``backoff``; when ``due`` (every ``update_every`` steps) and the step did not overflow, every
     other measured row gets the power-of-two scale that puts its largest gradient ``headroom``
-    high (capped by ``bound``, the paper rule's per-row scales, when given). Statistics are
-    cleared when used and for flagged rows; the loss row keeps its scale.
+    high (capped by ``bound``, the paper rule's per-row scales, when given), rising by at most
+    ``growth`` per update and falling at once. The cap matters after a batch of unusually small
+    gradients: followed to the letter, the rule raised every scale by the dip (2^5 seen on the
+    numerics benchmark's stress MLP), and the next ordinary batch overflowed and was skipped.
+    Statistics are cleared when used and for flagged rows; the loss row keeps its scale.
     """
     nonfinite = stats[:, STAT["nonfinite"]]
     flagged = nonfinite > 0
@@ -328,7 +343,8 @@ def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch
         if bound is not None:
             target = torch.minimum(target, bound).clamp_min(1.0)
         measured = (amax > 0) & ~overflow  # (a flagged row means an overflow: none is measured then)
-        new = torch.where(measured, torch.exp2(torch.floor(torch.log2(target))), new)
+        rule = torch.minimum(torch.exp2(torch.floor(torch.log2(target))), scales * growth)
+        new = torch.where(measured, rule, new)
         last_stats.copy_(stats)
         stats.zero_()
     else:

@@ -11,6 +11,7 @@ from .analyze_underflow import analyze_underflow
 from .convert_precision import convert_precision
 from .emulate_compute import emulate_compute
 from .fold_casts import fold_casts
+from .insert_fake_quant import insert_fake_quant
 from .insert_grad_scaling import insert_grad_scaling
 from .manager import InvariantError, PassRecord, PassResult, PassSpec, Stage, run_stage
 from .remove_inplace import remove_inplace
@@ -26,6 +27,7 @@ __all__ = [
     "convert_precision",
     "emulate_compute",
     "fold_casts",
+    "insert_fake_quant",
     "insert_grad_scaling",
     "remove_inplace",
     "run_stage",
@@ -37,6 +39,7 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec(convert_precision, "dynamo"),
     PassSpec(analyze_underflow, "dynamo"),
     PassSpec(insert_grad_scaling, "dynamo"),
+    PassSpec(insert_fake_quant, "dynamo"),  # after the scale points: gradients are scaled, then rounded
     PassSpec(fold_casts, "dynamo"),
     PassSpec(emulate_compute, "dynamo"),  # last: the passes above see each op itself
     # AOTAutograd's joint forward+backward ATen graph, before partitioning.

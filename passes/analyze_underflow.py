@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import torch.utils._pytree
 from torch.fx import GraphModule, Node
 
-from autoscale.ops import headroom
+from autoscale.ops import gradient_max, headroom
 
 from .graph_utils import cast_of, op_name, tensor_val
 from .manager import PassResult
@@ -151,7 +151,7 @@ def _analyze(gm: GraphModule, cfg: Config) -> PassResult:
         for arg in out.all_input_nodes:
             grad.setdefault(arg, []).append(_output_gradient(arg, value))
     known = 0
-    limit = headroom(cfg.scaling.margin)
+    limit = headroom(cfg.scaling.margin, gradient_max(cfg.float8))
     for n in reversed(nodes):
         parts = grad.get(n, [])
         # a tuple's elements are disjoint pieces (unbind, chunk): their gradients do not add up

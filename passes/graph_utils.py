@@ -31,6 +31,7 @@ __all__ = [
     "op_name",
     "provenance",
     "redirect_uses",
+    "requires_grad_map",
     "target_name",
     "retyped",
     "tensor_val",
@@ -143,6 +144,23 @@ def retyped(val: Any, dtype: torch.dtype) -> Any:
         meta = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
         return FakeTensor(val.fake_mode, meta, val.device)
     return val.to(dtype)
+
+
+def requires_grad_map(graph: Graph) -> dict[Node, bool]:
+    """Which nodes carry a gradient: by their recorded values, or because a floating input does
+    (higher-order ops such as ``autograd_function_apply`` lose the flag in fake propagation)."""
+    requires: dict[Node, bool] = {}
+    for n in graph.nodes:
+        val = tensor_val(n)
+        vals = val if isinstance(val, tuple | list) else (val,)
+        if not any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals):
+            requires[n] = False
+        elif isinstance(val, torch.Tensor) and n.meta.get("requires_grad", val.requires_grad):
+            requires[n] = True
+        else:
+            requires[n] = (n.op in ("call_function", "call_method") and op_name(n) != "detach"
+                           and any(requires.get(a, False) for a in n.all_input_nodes))
+    return requires
 
 
 def float_dtype(node: Any) -> torch.dtype | None:

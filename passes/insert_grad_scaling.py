@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autoscale.ops import SCALE_RANGE, headroom, rescale
+from autoscale.ops import SCALE_RANGE, gradient_max, headroom, rescale
 from autoscale.runtime import LAYOUT_SEP, LOSS_ROW
 
 from .analyze_underflow import MOMENTS_KEY
@@ -42,6 +42,7 @@ from .graph_utils import (
     op_name,
     provenance,
     redirect_uses,
+    requires_grad_map,
     tensor_val,
 )
 from .manager import PassResult
@@ -65,14 +66,23 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     if attach is None:  # no GradScaler state in this graph: nothing to scale with
         return PassResult(gm, modified=False, counts={"scale_points": 0})
     scales, stats, layout, moments = attach.args
+    gm.meta["autoscale_scales_input"] = list(graph.find_nodes(op="placeholder")).index(scales)
+    if cfg.dtype == torch.bfloat16 and not cfg.float8:
+        # bfloat16 has float32's exponent range: a gradient float32 keeps does not underflow in it
+        # (it loses mantissa bits, which no scale gives back). The scaler learns it from here.
+        gm.meta["autoscale_scaling_needed"] = False
+        graph.erase_node(attach)
+        return PassResult(gm, modified=True, counts={"scale_points": 0})
+    gm.meta["autoscale_scaling_needed"] = True
+    gm.meta["autoscale_gradient_max"] = gradient_max(cfg.float8)
     layers = str(layout).split(LAYOUT_SEP)
     state = _State(graph, scales, stats, layers, prefix=layer_of(attach), moments=bool(moments))
-    state.requires = _requires_grad_map(graph)
+    state.requires = requires_grad_map(graph)
     points = scale_points(graph, cfg, state.requires)
     if cfg.scaling.placement == "predicted":
         points = [p for p in points if p.underflow > cfg.scaling.gamma]
-    gm.meta["autoscale_scales_input"] = list(graph.find_nodes(op="placeholder")).index(scales)
-    gm.meta["autoscale_initial_scales"] = _initial_scales(points, state, headroom(cfg.scaling.margin))
+    gm.meta["autoscale_initial_scales"] = _initial_scales(
+        points, state, headroom(cfg.scaling.margin, gradient_max(cfg.float8)))
     graph.erase_node(attach)
     for point in points:
         state.scale_point(point)
@@ -121,7 +131,7 @@ def scale_points(graph: Graph, cfg: Config, requires: dict[Node, bool] | None = 
     after the other: they are one point, on the cast (before the rounding), with the op's row.
     """
     low = cfg.dtype
-    requires = requires if requires is not None else _requires_grad_map(graph)
+    requires = requires if requires is not None else requires_grad_map(graph)
     points: list[ScalePoint] = []
     gemm_points: dict[Node, tuple[int, list[Node], str]] = {}  # target -> (index, governed, op name)
     for n in graph.nodes:
@@ -254,23 +264,6 @@ class _State:
             redirect_uses(p, point)
             unscaled.append(index)
         return unscaled
-
-
-def _requires_grad_map(graph: Graph) -> dict[Node, bool]:
-    """Which nodes carry a gradient: by their recorded values, or because a floating input does
-    (higher-order ops such as ``autograd_function_apply`` lose the flag in fake propagation)."""
-    requires: dict[Node, bool] = {}
-    for n in graph.nodes:
-        val = tensor_val(n)
-        vals = val if isinstance(val, tuple | list) else (val,)
-        if not any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals):
-            requires[n] = False
-        elif isinstance(val, torch.Tensor) and n.meta.get("requires_grad", val.requires_grad):
-            requires[n] = True
-        else:
-            requires[n] = (n.op in ("call_function", "call_method") and op_name(n) != "detach"
-                           and any(requires.get(a, False) for a in n.all_input_nodes))
-    return requires
 
 
 def _is_attach(n: Node) -> bool:

@@ -13,7 +13,9 @@ from autoscale import Config, ScalingConfig
     ("kwargs", "message"),
     [
         ({"dtype": torch.float32}, r"Config.dtype=torch.float32 is not valid; allowed values: torch.float16"),
-        ({"dtype": "fp8"}, r"Config.dtype='fp8' is not valid"),
+        ({"dtype": "int8"}, r"Config.dtype='int8' is not valid; .* or 'float8'"),
+        ({"float8": "yes"}, r"Config.float8='yes' is not valid; it must be a bool"),
+        ({"quant": 8}, r"Config.quant must be a QuantConfig or None"),
         ({"compute": "fast"}, r"Config.compute='fast' is not valid; allowed values: 'auto', 'native', 'emulate'"),
         ({"executor": "tvm"}, r"Config.executor='tvm' is not valid; allowed values: 'inductor', 'eager'"),
         ({"allow": "linear"}, r"Config.allow must be a tuple of op names"),
@@ -25,6 +27,21 @@ from autoscale import Config, ScalingConfig
 def test_invalid_config_names_field_and_allowed_values(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Config(**kwargs)
+
+
+def test_float8_is_float16_storage_with_float8_gemm_inputs() -> None:
+    assert Config(dtype="float8") == Config(dtype="fp8") == Config(dtype=torch.float16, float8=True)
+    assert autoscale.recipe("fp8").float8 and autoscale.recipe("fp8").dtype == torch.float16
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"grad_bits": 1}, r"QuantConfig.grad_bits=1 is not valid; it must be None or an int in \[2, 16\]"),
+    ({"momentum": 1.0}, r"QuantConfig.momentum=1.0 is not valid"),
+    ({"weights": 1}, r"QuantConfig.weights=1 is not valid; it must be a bool"),
+])
+def test_invalid_quant_config(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        autoscale.QuantConfig(**kwargs)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

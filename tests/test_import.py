@@ -25,7 +25,8 @@ def test_public_api() -> None:
     import autoscale
 
     assert set(autoscale.__all__) == {"Backend", "CompileRecord", "Config", "ConvertedFileError", "ConvertedModule",
-                                      "GradScaler", "GraphDiff", "LayerReport", "PrecisionReport", "ScalingConfig",
-                                      "backend", "convert", "diff", "load", "recipe", "recipe_names", "save"}
+                                      "FakeQuant", "GradScaler", "GraphDiff", "LayerReport", "PrecisionReport",
+                                      "QuantConfig", "ScalingConfig", "backend", "convert", "diff", "load", "recipe",
+                                      "recipe_names", "save"}
     for name in autoscale.__all__:
         assert getattr(autoscale, name).__doc__
