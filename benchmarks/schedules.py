@@ -5,7 +5,7 @@
 1. **Precision range test** (CPT's): 20-step runs at a fixed forward precision of 2..8 bits;
    ``autoscale.schedules.suggest_q_min`` picks the lowest whose test accuracy is 40 points above
    chance. That is the schedules' ``q_min``; ``q_max`` is 8.
-2. **Schedules**: static 8-bit and 4-bit forward precision, and every profile of
+2. **Schedules**: static 8-, 4- and 2-bit forward precision, and every profile of
    ``autoscale.schedules`` over ``[q_min, 8]`` with 8 cycles, all with 8-bit gradients (stochastic
    rounding) and autoscale's default adaptive gradient scaling; final test accuracy (the model at
    8 bits for the cyclic schedules, as trained for the static ones) against the average cost
@@ -117,7 +117,7 @@ def main() -> None:
     print(f"precision range test: {probes} -> q_min {q_min}", flush=True)
 
     rows: list[tuple[str, float, list[float]]] = []
-    for b in (Q_MAX, 4):
+    for b in (Q_MAX, 4, 2):
         accs = [train(task, s, steps, config=quantized, bits=b) for s in range(seeds)]
         rows.append((f"static {b}-bit", schedules.cost_proxy(b, GRAD_BITS), accs))
         print(rows[-1], flush=True)
