@@ -9,19 +9,25 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx import GraphModule
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+from torch.fx import Graph, GraphModule, Node
+from torch.nn.parallel import DistributedDataParallel
 
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport, precision_report
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
 from autoscale.passes.graph_utils import dtype_name
-from autoscale.runtime import state_of
+from autoscale.passes.insert_grad_scaling import PREFIX_KEY, is_attach
+from autoscale.runtime import owner_of, state_of
 
 __all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend", "rewrite_graph"]
 
@@ -36,6 +42,9 @@ class CompileRecord:
     config: Config
     report: PrecisionReport
     passes: list[PassRecord] = field(default_factory=list)
+    low_precision_parameters: tuple[str, ...] = ()
+    """Trainable parameters that arrive in float16/bfloat16 (``model.half()``): computed with as
+    given, with no float32 master copy."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,12 @@ class Backend:
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         from autoscale.executors import EXECUTORS, inductor_keeps_roundings  # Inductor: only when compiling
 
+        _refuse_ddp_split(example_inputs)
+        if self.config.scaling.mode == "adaptive" and (reached := _reach_state(gm, example_inputs)):
+            gm, bound = reached
+        else:
+            bound = []
+        example_inputs = [*example_inputs, *bound]
         record = rewrite_graph(gm, example_inputs, self.config, self.pipeline)
         cfg, report = record.config, record.report
         self.records.append(record)
@@ -90,7 +105,8 @@ class Backend:
 
         joint_passes = tuple(spec.fn for spec in self.pipeline if spec.stage == "joint")
         key = f"{cfg!r} {[fn.__name__ for fn in joint_passes]}"
-        return EXECUTORS[cfg.executor](gm, example_inputs, JointStage(run_joint, joint_passes, key))
+        compiled = EXECUTORS[cfg.executor](gm, example_inputs, JointStage(run_joint, joint_passes, key))
+        return _bind_last(compiled, bound) if bound else compiled
 
 
 def rewrite_graph(gm: GraphModule, example_inputs: Sequence[Any], config: Config,
@@ -110,7 +126,13 @@ def rewrite_graph(gm: GraphModule, example_inputs: Sequence[Any], config: Config
     _seed_scales(gm, example_inputs)
     _register(gm, example_inputs)
     report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
-    return CompileRecord(cfg, report, passes)
+    record = CompileRecord(cfg, report, passes, _low_precision_parameters(gm, example_inputs))
+    if record.low_precision_parameters:
+        log.warning("parameters %s are already in low precision (model.half()?): autoscale computes with them as "
+                    "given, but there is no float32 master copy, so the optimizer's updates are rounded to their "
+                    "precision and small ones are lost. Keep the model in float32: autoscale casts the "
+                    "parameters inside the graph", ", ".join(map(repr, record.low_precision_parameters)))
+    return record
 
 
 def backend(config: Config | None = None) -> Backend:
@@ -118,20 +140,123 @@ def backend(config: Config | None = None) -> Backend:
     return Backend(config)
 
 
-def autoscale_backend(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+def autoscale_backend(gm: GraphModule, example_inputs: Sequence[Any], **options: Any) -> Callable[..., Any]:
     """The backend registered as ``"autoscale"`` (entry point ``torch_dynamo_backends``)."""
+    if options:  # torch.compile(..., options={...}) hands them over as options=...
+        raise ValueError(f"the 'autoscale' backend takes no options (got {', '.join(map(repr, options))}); "
+                         "configure it with torch.compile(model, backend=autoscale.backend(autoscale.Config(...)))")
     return Backend()(gm, example_inputs)
+
+
+def _refuse_ddp_split(example_inputs: Sequence[Any]) -> None:
+    """Dynamo's DDPOptimizer splits a DistributedDataParallel model's graph at its gradient
+    buckets and hands the pieces over with fake inputs; only the first piece would see the
+    scaler's state, so the others could not be scaled. Refuse, saying what works instead (Dynamo
+    then runs the frame eagerly, in float32, with this message as its warning)."""
+    if not any(isinstance(x, FakeTensor) for x in example_inputs):
+        return
+    if DistributedDataParallel._get_active_ddp_module() is not None:
+        raise RuntimeError(
+            "autoscale cannot compile the pieces DDPOptimizer splits a DistributedDataParallel graph "
+            "into (the model's gradients fill more than one DDP bucket): set "
+            "torch._dynamo.config.optimize_ddp = False, or give DistributedDataParallel a bucket_cap_mb "
+            "above the model's parameter size")
+
+
+def _reach_state(gm: GraphModule, example_inputs: Sequence[Any]
+                 ) -> tuple[GraphModule, list[torch.Tensor]] | None:
+    """Give a graph the GradScaler state that the model's forward announces (``attach``) when the
+    announcement is in another graph: the graphs after a graph break.
+
+    The graph's parameters name the state (``owner_of``). A copy of the graph gets two more
+    placeholders, for the state's scales and for a statistics tensor of the graph's own
+    (``ScaleState.stats_for_graph``), and an ``attach`` on them, so the passes scale it like any
+    other graph; the compiled copy is then called with the two tensors bound (``_bind_last``).
+    A copy, because Dynamo reads its graph's placeholders again after the backend returns.
+    Returns the copy and the tensors, or None when the graph has its ``attach`` or no parameter
+    of a model with a state.
+    """
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if any(is_attach(n) for n in gm.graph.nodes):
+        return None
+    for node, x in zip(placeholders, example_inputs, strict=False):
+        state = owner_of(x) if isinstance(x, torch.nn.Parameter) and x.requires_grad else None
+        name = state.name_of(x) if state is not None else None
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if state is not None and name is not None and source is not None:
+            break
+    else:
+        return None
+    # the path of the scaler's model in this graph: where its parameter ``name`` sits
+    path = _parameter_name(source)
+    prefix = path.removesuffix(name).rstrip(".") if path.endswith(name) else ""
+    bound = [state.scales, state.stats_for_graph()]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
+    graph = Graph()
+    copies: dict[Node, Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    for p in placeholders:  # AOTAutograd reads Dynamo's sources off the placeholders
+        copies[p]._dynamo_source = getattr(p, "_dynamo_source", None)
+    placeholders = [copies[p] for p in placeholders]
+    with graph.inserting_after(placeholders[-1] if placeholders else None):
+        scales = graph.placeholder("autoscale_scales")
+    with graph.inserting_after(scales):
+        stats = graph.placeholder("autoscale_graph_stats")
+    for p, tensor in zip((scales, stats), bound, strict=True):
+        p.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode is not None else tensor
+        p._dynamo_source = None  # (AOTAutograd asks; user code has none)
+    with graph.inserting_after(stats):
+        attach = graph.call_function(torch.ops.autoscale.attach.default, (scales, stats, state.layout, state.moments))
+    attach.meta[PREFIX_KEY] = prefix
+    copy = GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
+    return copy, bound
+
+
+def _bind_last(compiled: Callable[..., Any], bound: list[torch.Tensor]) -> Callable[..., Any]:
+    """``compiled`` with ``bound`` passed after the arguments Dynamo passes."""
+    def run(*args: Any) -> Any:
+        return compiled(*args, *bound)
+
+    return run
+
+
+def _low_precision_parameters(gm: GraphModule, example_inputs: Sequence[Any]) -> tuple[str, ...]:
+    """The names of the trainable float16/bfloat16 parameters among the graph's inputs, when the
+    graph is compiled for training (grad mode on)."""
+    if not torch.is_grad_enabled():
+        return ()
+    names = []
+    for node, x in zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=False):
+        if isinstance(x, torch.nn.Parameter) and x.requires_grad and x.dtype in (torch.float16, torch.bfloat16):
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            names.append(_parameter_name(source) if source is not None else node.name)
+    return tuple(names)
+
+
+def _parameter_name(source: Any) -> str:
+    """Dynamo's source of an input, ``L['self']._modules['fc1']._parameters['weight']`` -> ``fc1.weight``."""
+    name = source.name if isinstance(source.name, str) else source.name()  # (a method in older torch)
+    path = re.sub(r"^[LG]\['[^']*'\]", "", name)
+    path = re.sub(r"\._(?:modules|parameters|buffers)\b", "", path)
+    return re.sub(r"\[(?:'([^']*)'|(\d+))\]", lambda m: "." + (m.group(1) or m.group(2)), path).lstrip(".")
 
 
 def _seed_scales(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
     """Start the layers' scales from the analysis' prediction, so the first step is already
     scaled. Only rows still at their initial 1.0 are set: a recompile never undoes what the
-    scaler has learnt."""
+    scaler has learnt.
+
+    Without a version bump: after a graph break the graphs compile one after another within a
+    step, and an earlier graph has saved the scales for its backward. (Its backward reads only
+    its own rows' values, and reads them when it runs, so a row seeded now is consistent.)"""
     initial = gm.meta.get("autoscale_initial_scales")
     if not initial:
         return
     scales = example_inputs[gm.meta["autoscale_scales_input"]]
-    with torch.no_grad():
+    with torch.no_grad(), _unsafe_preserve_version_counter(scales):
         for row, value in initial.items():
             if float(scales[row]) == 1.0:
                 scales[row] = value

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,6 +34,23 @@ def _choice(owner: str, name: str, value: object, allowed: tuple[str, ...]) -> N
         raise ValueError(
             f"{owner}.{name}={value!r} is not valid; allowed values: {', '.join(map(repr, allowed))}"
         )
+
+
+def _flag(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{name}={value!r} is not valid; it must be a bool")
+
+
+def _count(owner: str, name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{owner}.{name}={value!r} is not valid; it must be an int >= {low}")
+
+
+def _real(owner: str, name: str, value: object, ok: Callable[[float], bool], what: str) -> None:
+    """``value`` must be a real number (not a bool, a string or nan) for which ``ok`` holds."""
+    if (isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value)
+            or not ok(float(value))):
+        raise ValueError(f"{owner}.{name}={value!r} is not valid; it must be {what}")
 
 
 @dataclass(frozen=True)
@@ -83,21 +101,18 @@ class ScalingConfig:
         _choice("ScalingConfig", "mode", self.mode, _SCALING_MODES)
         _choice("ScalingConfig", "rule", self.rule, ("headroom", "paper"))
         _choice("ScalingConfig", "placement", self.placement, ("predicted", "all"))
-        if not (isinstance(self.gamma, float | int) and 0.0 < float(self.gamma) < 1.0):
-            raise ValueError(f"ScalingConfig.gamma={self.gamma!r} is not valid; it must be a number in (0, 1)")
+        owner = "ScalingConfig"
+        _real(owner, "gamma", self.gamma, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
+        _flag(owner, "calibrate", self.calibrate)
         for name in ("margin", "update_every", "growth_interval", "hysteresis"):
-            value = getattr(self, name)
-            low = 0 if name == "margin" else 1
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"ScalingConfig.{name}={value!r} is not valid; it must be an int >= {low}")
-        for name in ("init_scale", "growth_factor", "min_scale"):
-            if not float(getattr(self, name)) > 0:
-                raise ValueError(f"ScalingConfig.{name}={getattr(self, name)!r} is not valid; it must be > 0")
-        if not 0.0 < float(self.backoff_factor) < 1.0:
-            raise ValueError(f"ScalingConfig.backoff_factor={self.backoff_factor!r} is not valid; it must be in (0, 1)")
-        if self.scale_upper_bound is not None and not float(self.scale_upper_bound) >= 1:
-            raise ValueError(f"ScalingConfig.scale_upper_bound={self.scale_upper_bound!r} is not valid; "
-                             "it must be None or >= 1")
+            _count(owner, name, getattr(self, name), 0 if name == "margin" else 1)
+        for name in ("init_scale", "min_scale"):
+            _real(owner, name, getattr(self, name), lambda v: 0.0 < v < math.inf, "a finite number > 0")
+        # (1: scales never rise; below 1 every update would shrink them)
+        _real(owner, "growth_factor", self.growth_factor, lambda v: 1.0 <= v < math.inf, "a finite number >= 1")
+        _real(owner, "backoff_factor", self.backoff_factor, lambda v: 0.0 < v < 1.0, "in (0, 1)")
+        if self.scale_upper_bound is not None:
+            _real(owner, "scale_upper_bound", self.scale_upper_bound, lambda v: v >= 1.0, "None or >= 1")
 
 
 @dataclass(frozen=True)
@@ -121,13 +136,11 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         for name in ("weights", "activations"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"QuantConfig.{name}={getattr(self, name)!r} is not valid; it must be a bool")
+            _flag("QuantConfig", name, getattr(self, name))
         bits = self.grad_bits
         if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16):
             raise ValueError(f"QuantConfig.grad_bits={bits!r} is not valid; it must be None or an int in [2, 16]")
-        if not (isinstance(self.momentum, float | int) and 0.0 <= float(self.momentum) < 1.0):
-            raise ValueError(f"QuantConfig.momentum={self.momentum!r} is not valid; it must be in [0, 1)")
+        _real("QuantConfig", "momentum", self.momentum, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -171,8 +184,8 @@ class Config:
             object.__setattr__(self, "dtype", torch.float16)
             object.__setattr__(self, "float8", True)
         object.__setattr__(self, "dtype", _normalize_dtype(self.dtype))
-        if not isinstance(self.float8, bool):
-            raise ValueError(f"Config.float8={self.float8!r} is not valid; it must be a bool")
+        _flag("Config", "float8", self.float8)
+        _flag("Config", "verify", self.verify)
         if self.quant is not None and not isinstance(self.quant, QuantConfig):
             raise ValueError(f"Config.quant must be a QuantConfig or None, got {type(self.quant).__name__}")
         _choice("Config", "compute", self.compute, _COMPUTES)
@@ -185,6 +198,9 @@ class Config:
             for op in ops:
                 if not isinstance(op, str) or not op:
                     raise ValueError(f"Config.{category} must contain op names (non-empty str), got {op!r}")
+                if not op.isidentifier():  # ("torch.mm", "aten::mm" would never match: ops go by bare name)
+                    raise ValueError(f"Config.{category} contains {op!r}, which is not an op name: name ops as the "
+                                     "precision report does, without namespace or overload ('mm', 'linear', 'my_op')")
                 if op in seen:
                     raise ValueError(f"op {op!r} is listed in both Config.{seen[op]} and Config.{category}")
                 seen[op] = category

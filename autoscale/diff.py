@@ -42,7 +42,7 @@ from autoscale.ops import rescale
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
 from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, layer_of, op_name, target_name, tensor_val
-from autoscale.passes.insert_grad_scaling import ScalePoint, insert_grad_scaling, scale_points
+from autoscale.passes.insert_grad_scaling import ScalePoint, insert_grad_scaling, is_attach, scale_points
 from autoscale.runtime import _SCALES, _STATE_ATTR, _STATS, LAYOUT_SEP, ScaleState, install_state, unwrap
 
 __all__ = [
@@ -402,7 +402,7 @@ class _Observer:
         return observed
 
     def _before_scaling(self, gm: GraphModule, cfg: Config) -> None:
-        attach = next((n for n in gm.graph.nodes if _is_attach(n)), None)
+        attach = next((n for n in gm.graph.nodes if is_attach(n)), None)
         if attach is not None:
             self.layers = str(attach.args[2]).split(LAYOUT_SEP)
         self.candidates = scale_points(gm.graph, cfg)
@@ -495,10 +495,6 @@ def _autograd(gm: GraphModule, example_inputs: Sequence[Any],
                             keep_inference_input_mutations=True)
     compiler(gm, list(example_inputs))
     return got[0] if got else None
-
-
-def _is_attach(n: Node) -> bool:
-    return n.op == "call_function" and n.target in (torch.ops.autoscale.attach, torch.ops.autoscale.attach.default)
 
 
 def _is_rescale(n: Node) -> bool:

@@ -6,7 +6,8 @@ the joint stage of the pipeline on its joint forward+backward graph before parti
 * ``inductor`` hands the graph to Inductor's ``compile_fx``, with the joint stage as its
   ``joint_custom_pre_pass`` and ``emulate_precision_casts`` on (without it Inductor drops
   float32 -> float16 -> float32 round trips inside fused kernels, silently computing in float32);
-* ``eager`` runs AOTAutograd's graphs as they are, with the joint stage in the partitioner.
+* ``eager`` runs AOTAutograd's graphs as they are (but for ``view``, see :func:`_run_views_as_reshapes`),
+  with the joint stage in the partitioner.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, GraphModule
 
@@ -82,9 +84,29 @@ def compile_eager(gm: GraphModule, example_inputs: Sequence[Any], stage: JointSt
         stage.run(joint)
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
-    compiler = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
+    def run(graph: GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+        _run_views_as_reshapes(graph)
+        return boxed_nop(graph, list(inputs))
+
+    compiler = aot_autograd(fw_compiler=run, bw_compiler=run, partition_fn=partition,
                             keep_inference_input_mutations=True)
     return compiler(gm, example_inputs)
+
+
+def _run_views_as_reshapes(gm: GraphModule) -> None:
+    """``aten.view`` -> ``aten.reshape`` in an AOTAutograd graph run eagerly.
+
+    The graph's views were traced on fake tensors whose strides come from the ops' meta functions;
+    a real CPU kernel may return other strides (``native_batch_norm_backward`` returns a
+    contiguous gradient for a transposed input, where its meta function keeps the input's
+    strides), and the view then fails ("view size is not compatible with input tensor's size and
+    stride"; torch's own ``aot_eager`` backend fails alike, pytorch/pytorch#120035). Inductor
+    plans its own layouts and is not affected. The graphs are functional, so a reshape is the
+    same value; it is the same view wherever the view would have succeeded, and a copy only where
+    the view would have raised.
+    """
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        node.target = torch.ops.aten.reshape.default  # (boxed_nop recompiles)
 
 
 EXECUTORS: dict[str, Executor] = {"inductor": compile_inductor, "eager": compile_eager}

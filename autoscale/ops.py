@@ -192,7 +192,8 @@ class _Rescale(torch.autograd.Function):
         # of the backward does not blame every layer below; the step is skipped anyway). So a
         # gradient leaving through an unscale point is checked, and ``GradScaler.step`` skips it.
         zero = torch.zeros((), device=grad.device)
-        elements = torch.full((), float(grad.numel()), device=grad.device)
+        # (numel as a SymInt, not float(): that would specialize a dynamic batch size to its first value)
+        elements = torch.full((), grad.numel(), dtype=torch.float32, device=grad.device)
         # (Σ g and Σ g² only for a rule that reads them: unused, Inductor drops their reductions)
         recorded = torch.stack([zero, m.amax, m.total if moments else zero, m.squares if moments else zero, elements,
                                 m.zeros if weight_grad else zero, elements if weight_grad else zero])

@@ -9,16 +9,18 @@ scale in place never recompiles, and the compiled backward writes its statistics
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autoscale.ops import FP16_MAX, NUM_STATS
+from autoscale.ops import FP16_MAX, NUM_STATS, STAT
 
-__all__ = ["LOSS_ROW", "LAYOUT_SEP", "ScaleState", "install_state", "state_of", "unwrap"]
+__all__ = ["LOSS_ROW", "LAYOUT_SEP", "ScaleState", "install_state", "owner_of", "state_of", "unwrap"]
 
 LOSS_ROW = 0
 LAYOUT_SEP = "\x1f"
@@ -44,13 +46,44 @@ class ScaleState:
         self.graphs = 0  # graphs the backend compiled against this state
         self.scaled_graphs = 0  # of which with scale points (none in bfloat16: nothing to scale)
         self.gradient_max = FP16_MAX  # the smallest max of the formats the graphs round gradients to
+        # One statistics tensor per graph that the forward's announcement does not reach (a graph
+        # after a graph break): each graph's backward writes its own, so that no graph's backward
+        # modifies a tensor another graph saved for its backward. ``gather`` folds them in.
+        self.graph_stats: list[torch.Tensor] = []
         self.layers: tuple[str, ...] = (_LOSS_NAME, *layer_names)
         self.layout = LAYOUT_SEP.join(self.layers)
         device = next((p.device for p in root.parameters()), torch.device("cpu"))
         scales = torch.ones(len(self.layers), device=device)  # the backend seeds layers from its analysis
         root.register_buffer(_SCALES, scales, persistent=False)
         root.register_buffer(_STATS, torch.zeros(len(self.layers), NUM_STATS, device=device), persistent=False)
+        # Per rank, not broadcast by a DistributedDataParallel wrapped around root later: the
+        # GradScaler reduces them across ranks itself, at the points where the ranks must agree.
+        ignored = getattr(root, "_ddp_params_and_buffers_to_ignore", ())
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, [*ignored, _SCALES, _STATS])
         _STATES[scales] = self
+        for p in root.parameters():
+            _OWNERS[p] = weakref.ref(self)
+
+    def name_of(self, param: torch.Tensor) -> str | None:
+        """``param``'s name in the model (``fc1.weight``), or None if it is not the model's."""
+        return next((name for name, p in self.root.named_parameters() if p is param), None)
+
+    def stats_for_graph(self) -> torch.Tensor:
+        """A new statistics tensor for one graph the announcement does not reach (see ``gather``)."""
+        stats = torch.zeros_like(self.stats)
+        self.graph_stats.append(stats)
+        return stats
+
+    def gather(self) -> None:
+        """Fold the per-graph statistics into ``stats`` (max for the largest gradient, sums
+        otherwise) and clear them; the scaler calls it before it reads ``stats``."""
+        stats = self.stats
+        for extra in self.graph_stats:
+            extra = extra.to(stats.device)
+            amax = stats[:, STAT["amax"]].clone()
+            stats.add_(extra)
+            stats[:, STAT["amax"]] = torch.maximum(amax, extra[:, STAT["amax"]])
+            extra.zero_()
 
     @property
     def scales(self) -> torch.Tensor:
@@ -65,6 +98,14 @@ class ScaleState:
 
 
 _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # scales tensor -> its ScaleState
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref to its model's ScaleState
+
+
+def owner_of(param: torch.Tensor) -> ScaleState | None:
+    """The ScaleState of the model that ``param`` belonged to when the state was installed."""
+    ref = _OWNERS.get(param)
+    state = ref() if ref is not None else None
+    return state if isinstance(state, ScaleState) else None
 
 
 def state_of(scales: torch.Tensor) -> ScaleState | None:
@@ -74,8 +115,15 @@ def state_of(scales: torch.Tensor) -> ScaleState | None:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module behind ``torch.compile``'s wrapper."""
-    return getattr(model, "_orig_mod", model)
+    """The user's module behind ``torch.compile``'s and data parallelism's wrappers (Dynamo
+    compiles the module a DistributedDataParallel wraps, not the wrapper's forward)."""
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        elif isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
+            model = inner
+        else:
+            return model
 
 
 def install_state(model: nn.Module, *, moments: bool = False) -> ScaleState:
@@ -98,3 +146,4 @@ def install_state(model: nn.Module, *, moments: bool = False) -> ScaleState:
 
     root.forward = forward
     return state
+

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autoscale.config import Config, ScalingConfig
@@ -65,10 +66,16 @@ class LayerReport:
 
 class GradScaler:
     """Drop-in for ``torch.amp.GradScaler`` (see the module docstring). Create it before the
-    model's first forward: in adaptive mode it registers its state on the model."""
+    model's first forward: in adaptive mode it registers its state on the model.
+
+    Under torch.distributed (DistributedDataParallel) the ranks reduce what decides a skip and the
+    scales — inf/nan flags, largest gradients and scales at every step, the additive statistics
+    at every update — over ``process_group`` (default: the default group), so every rank skips
+    the same steps and keeps the same scales.
+    """
 
     def __init__(self, model: nn.Module, config: Config | ScalingConfig | None = None, *,
-                 telemetry: str | Path | None = None) -> None:
+                 telemetry: str | Path | None = None, process_group: dist.ProcessGroup | None = None) -> None:
         cfg = config.scaling if isinstance(config, Config) else (config or ScalingConfig())
         if not isinstance(cfg, ScalingConfig):
             raise ValueError(f"GradScaler config must be an autoscale.Config or ScalingConfig, got {type(config)}")
@@ -88,6 +95,8 @@ class GradScaler:
         self._stages: dict[int, _Stage] = {}
         self._steps = 0
         self._telemetry = Path(telemetry) if telemetry is not None else None
+        self._group = process_group
+        self._agreed = False  # this step's flags are already reduced across ranks
 
     # ------------------------------------------------------------------ torch.amp interface
 
@@ -126,6 +135,7 @@ class GradScaler:
             found = torch.zeros((), device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
             self._found_inf += found.to(self._found_inf.device)
+        self._agreed = False
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` unless this step overflowed; returns its result, or None if skipped."""
@@ -161,6 +171,7 @@ class GradScaler:
         if self.config.mode == "adaptive" and new_scale is None:
             if self._steps == 0:
                 self._check_instrumented()
+            self._collect()
             overflow = self._update_adaptive()
         else:
             overflow = self._overflowed()
@@ -174,6 +185,7 @@ class GradScaler:
         if self._telemetry is not None:
             self._write_telemetry(overflow)
         self._stages.clear()
+        self._agreed = False
 
     @property
     def scaling_needed(self) -> bool:
@@ -239,11 +251,64 @@ class GradScaler:
     # --------------------------------------------------------------------------- internals
 
     def _overflowed(self) -> torch.Tensor:
-        """A 0-dim tensor, 1.0 when this step saw inf/nan anywhere."""
+        """A 0-dim tensor, 1.0 when this step saw inf/nan anywhere (on any rank)."""
+        self._collect()
         flagged = self._found_inf
         if self._state is not None:
             flagged = flagged + self._state.stats[:, STAT["nonfinite"]].sum()
         return (flagged > 0).float()
+
+    def _world(self) -> int:
+        """How many ranks decide together (1 without torch.distributed)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self._group)
+
+    def _collect(self) -> None:
+        """Bring this step's statistics together: from every graph (graph breaks), then from every
+        rank (torch.distributed)."""
+        if self._state is not None and self._state.graph_stats:
+            self._state.gather()
+        self._agree()
+
+    def _agree(self) -> None:
+        """Make every rank decide alike: one all-reduce (MAX) of this step's inf/nan flags, the
+        layers' largest gradients, and the negated scales (so every rank takes the smallest).
+
+        DDP all-reduces parameter gradients, but a compiled backward checks and measures its
+        gradients before they reach DDP's hooks: an overflow on one rank would otherwise skip the
+        step there alone and leave the ranks' weights apart. MAX is idempotent, so reducing again
+        after more local checks (a second optimizer's ``unscale_``) is harmless. Every rank must
+        call ``step``/``update`` alike, as with any collective.
+        """
+        if self._agreed or self._world() == 1:
+            return
+        parts = [self._found_inf.view(1)]
+        if self._state is not None:
+            stats = self._state.stats
+            parts += [stats[:, STAT["nonfinite"]], stats[:, STAT["amax"]], -self._state.scales]
+        packed = torch.cat(parts)
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group)
+        self._found_inf.copy_(packed[0])
+        if self._state is not None:
+            rows = len(self._state.layers)
+            flags, amax, neg_scales = packed[1:].view(3, rows)
+            stats[:, STAT["nonfinite"]] = flags
+            stats[:, STAT["amax"]] = amax
+            self._state.scales.copy_(-neg_scales)
+        self._agreed = True
+
+    def _sum_stats(self) -> None:
+        """Sum the additive statistics (Σg, Σg², counts) over ranks before an update reads them:
+        one all-reduce every ``update_every`` steps, of what each rank accumulated since."""
+        assert self._state is not None
+        if self._world() == 1:
+            return
+        stats = self._state.stats
+        additive = [i for name, i in STAT.items() if name not in ("nonfinite", "amax")]
+        summed = stats[:, additive].contiguous()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._group)
+        stats[:, additive] = summed
 
     def _check_instrumented(self) -> None:
         """Warn, once, when no compiled graph serves this scaler: the model is not compiled by autoscale."""
@@ -279,6 +344,8 @@ class GradScaler:
         assert self._state is not None and self._last_stats is not None
         cfg = self.config
         due = (self._steps + 1) % cfg.update_every == 0
+        if due:
+            self._sum_stats()
         bound = self._paper_scales(self._state.stats) if due and cfg.rule == "paper" else None
         high = SCALE_RANGE[1] if cfg.scale_upper_bound is None else min(SCALE_RANGE[1], cfg.scale_upper_bound)
         return adaptive_update(self._state.scales, self._state.stats, self._last_stats, self._overflows,

@@ -169,8 +169,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()
     reports = [run(args.steps, seed) for seed in range(args.seeds)]
-    lines = ["| seed | steps | injected (grad inf / grad nan / act inf / act nan) | detected | skipped | false alarms "
-             "| weights corrupted | optimizer state corrupted | scales wrong | final loss | twin's | max weight difference |",
+    lines = ["| seed | steps | injected (grad inf / grad nan / act inf / act nan) | detected | skipped "
+             "| false alarms | weights corrupted | optimizer state corrupted | scales wrong | final loss | twin's "
+             "| max weight difference |",
              "|---" * 12 + "|"]
     for seed, r in enumerate(reports):
         kinds = " / ".join(str(r.by_kind.get(k, 0)) for k in KINDS)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import sympy
 import torch
@@ -144,19 +144,23 @@ def _analyze(gm: GraphModule, cfg: Config) -> PassResult:
     nodes = list(gm.graph.nodes)
     value: dict[Node, Moments | None] = {}
     for n in nodes:
-        measured = n.meta.get(CALIBRATION_KEY, {}).get("value")
-        value[n] = measured or (n.meta.get(SEED_KEY) if n.op == "placeholder" else _forward(n, value))
+        if _empty(n):
+            value[n] = None
+        elif measured := n.meta.get(CALIBRATION_KEY, {}).get("value"):
+            value[n] = measured
+        else:
+            value[n] = n.meta.get(SEED_KEY) if n.op == "placeholder" else _unless_empty(_forward, n, value)
     grad: dict[Node, list[Moments | None]] = {}
     for out in gm.graph.find_nodes(op="output"):
         for arg in out.all_input_nodes:
-            grad.setdefault(arg, []).append(_output_gradient(arg, value))
+            grad.setdefault(arg, []).append(None if _empty(arg) else _output_gradient(arg, value))
     known = 0
     limit = headroom(cfg.scaling.margin, gradient_max(cfg.float8))
     for n in reversed(nodes):
         parts = grad.get(n, [])
         # a tuple's elements are disjoint pieces (unbind, chunk): their gradients do not add up
         g = _average(parts) if isinstance(tensor_val(n), tuple | list) else _sum(parts)
-        g = n.meta.get(CALIBRATION_KEY, {}).get("grad") or g
+        g = None if _empty(n) else n.meta.get(CALIBRATION_KEY, {}).get("grad") or g
         n.meta[MOMENTS_KEY] = {"value": value.get(n), "grad": g}
         if g is None:
             continue
@@ -164,7 +168,7 @@ def _analyze(gm: GraphModule, cfg: Config) -> PassResult:
         n.meta["autoscale_underflow"] = predicted_underflow(g)
         n.meta["autoscale_overflow"] = g.amax > limit
         if n.op in ("call_function", "call_method"):
-            for arg, ga in _backward(n, g, value).items():
+            for arg, ga in (_unless_empty(_backward, n, g, value) or {}).items():
                 grad.setdefault(arg, []).append(ga)
     return PassResult(gm, modified=False, counts={"nodes": len(nodes), "gradients_known": known})
 
@@ -182,6 +186,23 @@ def _hint(size: Any) -> float:
         expr: sympy.Expr = size.node.expr
         return float(expr.subs(values))
     return float(size)
+
+
+def _empty(n: Node) -> bool:
+    """Whether ``n`` is a tensor without elements (a batch of 0): there is nothing to predict."""
+    return isinstance(tensor_val(n), torch.Tensor) and _numel(n) == 0
+
+
+_R = TypeVar("_R")
+
+
+def _unless_empty(rule: Callable[..., _R], *args: Any) -> _R | None:
+    """``rule(*args)``, or None (unknown) where a zero extent (an empty tensor among the rule's
+    inputs: a sum over no elements, a concatenation with an empty piece) makes it divide by zero."""
+    try:
+        return rule(*args)
+    except ZeroDivisionError:
+        return None
 
 
 def _numel(n: Any) -> float:

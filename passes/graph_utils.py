@@ -176,6 +176,11 @@ def float_dtype(node: Any) -> torch.dtype | None:
 # The root of a module path as Dynamo spells it: a local or global name, possibly reached through
 # a bound method's ``__self__`` (a forward wrapped by ``GradScaler`` closes over one).
 _ROOT = re.compile(r"^[LG]\['[^']*'\](?:\.__self__)?\.?")
+# Inside the model, wrappers that are the module they wrap: a submodule with such a wrapped
+# forward, reached through it (``inner.forward.__closure__[0].cell_contents.__self__.fc1`` is
+# ``inner.fc1``: the scaler's model is part of the compiled one), and a submodule compiled on its
+# own (``inner._orig_mod.fc1``: Dynamo inlines it into the outer graph).
+_WRAPPED = re.compile(r"\.(?:forward\.__closure__\[\d+\]\.cell_contents\.__self__|_orig_mod)(?=\.|$)")
 _INDEX = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
 
 
@@ -194,7 +199,7 @@ def layer_of(node: Node) -> str:
 
 @lru_cache(maxsize=4096)
 def _module_path(dynamo_path: str) -> str:
-    path = _ROOT.sub("", dynamo_path)
+    path = _WRAPPED.sub("", _ROOT.sub("", dynamo_path))
     return _INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), path).lstrip(".")
 
 

@@ -51,9 +51,12 @@ from .op_tables import Category, category_of
 if TYPE_CHECKING:
     from autoscale.config import Config
 
-__all__ = ["ScalePoint", "insert_grad_scaling", "scale_points"]
+__all__ = ["PREFIX_KEY", "ScalePoint", "insert_grad_scaling", "is_attach", "scale_points"]
 
 PASS = "insert_grad_scaling"
+# On an ``attach`` node the backend added (a graph after a graph break): the path of the scaler's
+# model in the graph's module paths (where the forward's own ``attach`` has its module stack).
+PREFIX_KEY = "autoscale_prefix"
 Rows = frozenset[int]
 
 
@@ -62,7 +65,7 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     if cfg.scaling.mode != "adaptive":
         return PassResult(gm, modified=False)
     graph = gm.graph
-    attach = next((n for n in graph.nodes if _is_attach(n)), None)
+    attach = next((n for n in graph.nodes if is_attach(n)), None)
     if attach is None:  # no GradScaler state in this graph: nothing to scale with
         return PassResult(gm, modified=False, counts={"scale_points": 0})
     scales, stats, layout, moments = attach.args
@@ -76,7 +79,8 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     gm.meta["autoscale_scaling_needed"] = True
     gm.meta["autoscale_gradient_max"] = gradient_max(cfg.float8)
     layers = str(layout).split(LAYOUT_SEP)
-    state = _State(graph, scales, stats, layers, prefix=layer_of(attach), moments=bool(moments))
+    prefix = attach.meta.get(PREFIX_KEY, layer_of(attach))
+    state = _State(graph, scales, stats, layers, prefix=prefix, moments=bool(moments))
     state.requires = requires_grad_map(graph)
     points = scale_points(graph, cfg, state.requires)
     if cfg.scaling.placement == "predicted":
@@ -216,12 +220,21 @@ class _State:
             if not arriving:
                 continue
             target = frozenset().union(*arriving.values())
+            tensor = isinstance(tensor_val(n), torch.Tensor)
             for user, rows in arriving.items():
-                if rows != target:
-                    align = self._rescale(n, target, rows, target | rows, after=n, like=user,
-                                          reason=f"align the gradient from {user.name} at a merge")
+                if rows == target:
+                    continue
+                reason = f"align the gradient from {user.name} at a merge"
+                if tensor or op_name(user) != "getitem":
+                    align = self._rescale(n, target, rows, target | rows, after=n, like=user, reason=reason)
                     user.replace_input_with(n, align)
-                    aligned += 1
+                else:
+                    # ``n`` has several outputs (split, unbind): its backward joins their gradients,
+                    # so they are aligned one by one, on the element (a rescale takes one tensor).
+                    align = self._rescale(user, target, rows, target | rows, after=user, like=user, reason=reason)
+                    redirect_uses(user, align)
+                    self.carried[user] = target
+                aligned += 1
             self.carried[n] = target
             if n in self.sends and n.args[4] == ():  # a scale point: it receives `target`
                 out_rows = frozenset(n.args[3])
@@ -266,5 +279,5 @@ class _State:
         return unscaled
 
 
-def _is_attach(n: Node) -> bool:
+def is_attach(n: Node) -> bool:
     return n.op == "call_function" and n.target in (torch.ops.autoscale.attach, torch.ops.autoscale.attach.default)

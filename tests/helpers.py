@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,13 +92,29 @@ def step_vs_fp32(model: torch.nn.Module, inputs: Sequence[torch.Tensor], targets
     return Comparison(backend, loss, grads, ref_loss, ref_grads)
 
 
-def assert_matches_fp32(c: Comparison, dtype: torch.dtype = torch.float16) -> None:
+def assert_matches_fp32(c: Comparison, dtype: torch.dtype = torch.float16, *,
+                        unresolved: Collection[str] = ()) -> None:
     """Within the tolerance table: the loss, all gradients together, and each one; gradients
-    arrive in float32 (master weights)."""
+    arrive in float32 (master weights). The gradients named in ``unresolved`` (see
+    ``tests.tolerances.GRAD_RESOLUTION_DB``) are checked only as part of all gradients together."""
     assert sqnr(c.ref_loss, c.loss) >= SQNR_MIN_DB[(dtype, "output")], (c.loss, c.ref_loss)
     assert c.grads.keys() == c.ref_grads.keys()
     flat = [torch.cat([g[k].flatten() for k in sorted(g)]) for g in (c.ref_grads, c.grads)]
     assert sqnr(*flat) >= SQNR_MIN_DB[(dtype, "grads")]
     for name, ref in c.ref_grads.items():
         assert c.grads[name].dtype == torch.float32, name
+        if name in unresolved:
+            continue
         assert sqnr(ref, c.grads[name]) >= SQNR_MIN_DB[(dtype, "grad")], (name, sqnr(ref, c.grads[name]))
+
+
+def assert_identical(a: object, b: object, where: str = "") -> None:
+    """``a`` and ``b`` (state dicts: nested dicts of tensors and plain values) are equal bit for bit."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_identical(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    else:
+        assert a == b, where

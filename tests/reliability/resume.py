@@ -4,8 +4,9 @@
     python -m tests.reliability.resume stop STEPS CHECKPOINT    # STEPS steps, then save everything
     python -m tests.reliability.resume resume STEPS CHECKPOINT OUT
 
-``CHECKPOINT`` and ``OUT`` receive the model, optimizer and scaler state and the step count. Every batch is drawn from a generator seeded with its step number, so a resumed
-run sees the batches the uninterrupted one saw.
+``CHECKPOINT`` and ``OUT`` receive the model, optimizer and scaler state and the step count.
+Every batch is drawn from a generator seeded with its step number, so a resumed run sees the
+batches the uninterrupted one saw.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers import assert_identical
+
 REPO = Path(__file__).resolve().parents[2]
 K = 40
 
@@ -26,20 +28,10 @@ def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(tmp_path: Path) -
     _script("resume", str(K), str(checkpoint), str(resumed))
     a, b = torch.load(straight, weights_only=False), torch.load(resumed, weights_only=False)
     assert a["step"] == b["step"] == 2 * K
-    _assert_identical(a["model"], b["model"])  # weights and buffers
-    _assert_identical(a["optimizer"]["state"], b["optimizer"]["state"])
-    _assert_identical(a["scaler"], b["scaler"])  # per-layer scales, statistics, step and skip counts
+    assert_identical(a["model"], b["model"])  # weights and buffers
+    assert_identical(a["optimizer"]["state"], b["optimizer"]["state"])
+    assert_identical(a["scaler"], b["scaler"])  # per-layer scales, statistics, step and skip counts
     state = torch.load(checkpoint, weights_only=False)
     assert state["step"] == K and state["scaler"]["steps"] == K
     assert float(state["scaler"]["scales"].max()) > 1.0  # the scaler had learnt scales worth restoring
 
-
-def _assert_identical(a: object, b: object, where: str = "") -> None:
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for key in a:
-            _assert_identical(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    else:
-        assert a == b, where

@@ -1,0 +1,78 @@
+"""DistributedDataParallel on 2 CPU processes (gloo), with an overflow injected on one rank only:
+the script ``test_distributed.py`` runs.
+
+    python -m tests.reliability.distributed STEPS OUT [--compute native|emulated]
+
+Each rank trains benchmarks.reliability's 4-layer MLP (compiled with ``backend="autoscale"``,
+wrapped in DDP) on its own batches with autoscale's adaptive GradScaler. At the steps in
+``INJECTED`` rank 1 alone writes inf or nan into one layer's activation gradient. Each rank saves
+to ``OUT/rank{r}.pt``: its weights, optimizer state, per-layer scales and the steps its scaler
+skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import autoscale
+from benchmarks.reliability import KINDS, LAYERS, WIDTH, Net
+
+WORLD, BATCH = 2, 32
+# step -> (layer, mode): modes 1..4 are benchmarks.reliability.KINDS
+INJECTED = {3: (1, 1), 7: (3, 2), 8: (0, 3), 12: (2, 4)}
+assert all(0 <= layer < LAYERS and 1 <= mode <= len(KINDS) for layer, mode in INJECTED.values())
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(BATCH, WIDTH, generator=gen)
+    return x, (x[:, :4] * 2).argmax(1)
+
+
+def _worker(rank: int, steps: int, out: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        net = Net()
+        # broadcast_buffers=False: the injector's modes buffer is per rank (rank 1 injects alone)
+        ddp = DistributedDataParallel(net, broadcast_buffers=False)
+        scaler = autoscale.GradScaler(ddp)
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+        run = torch.compile(ddp, backend=autoscale.backend(autoscale.Config(executor="eager")))
+        skipped = []
+        for step in range(steps):
+            x, y = _batch(rank, step)
+            net.modes.zero_()
+            if rank == 1 and step in INJECTED:
+                layer, mode = INJECTED[step]
+                net.modes[layer] = mode
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(F.cross_entropy(run(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            if scaler.skipped_steps > len(skipped):
+                skipped.append(step)
+        torch.save({"weights": {k: v for k, v in net.state_dict().items() if k != "modes"},
+                    "optimizer": opt.state_dict(), "scaler": scaler.state_dict(), "skipped": skipped},
+                   out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    steps, out = int(argv[0]), Path(argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(steps, out), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
