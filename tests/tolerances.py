@@ -26,15 +26,15 @@ SQNR_MIN_DB: dict[tuple[torch.dtype, str], float] = {
 }
 
 # A parameter gradient that float16 precision does not determine is left out of the per-gradient
-# check (it stays in the all-gradients one): where rounding the float32 model's weights and every
-# layer's output and output gradient to float16's 11 significant bits already moves the gradient
-# below this, its SQNR against float32 measures the function's conditioning, not the backend.
-# The graph fuzzer meets three kinds: gradients that are exactly 0 in exact arithmetic (a bias
-# before a batch norm: float32 returns rounding noise, ~1e-17 of the others in float64), a relu
-# whose input float16 rounding moves across 0 (a batch-norm bias at 14.8 dB), and the key bias of
-# an attention (its gradient is 0: softmax ignores a shift of every logit). Measured over 400
-# fuzzed steps: every gradient that this rounding keeps above 30 dB matched float32 within the
-# per-gradient tolerance above.
+# check (it stays in the all-gradients one): where rounding the float32 model's inputs, weights
+# and every layer's output and output gradient to float16's 11 significant bits already moves the
+# gradient below this, its SQNR against float32 measures the function's conditioning, not the
+# backend (tests/reliability/test_fuzz.py). The graph fuzzer meets three kinds: gradients that are
+# exactly 0 in exact arithmetic (a bias before a batch norm: float32 returns rounding noise, ~1e-17
+# of the others in float64), a relu input that the rounding moves across 0 (a batch-norm bias at
+# 14.8 dB), and an attention's key bias (0 too: softmax ignores a shift of a row of logits).
+# Measured over 800 fuzzed steps (400 models): 168 of 4,972 gradients fell below 30 dB (146 of them
+# below the per-gradient 20 dB against float32); every other one matched float32 at 34 dB or better.
 GRAD_RESOLUTION_DB = 30.0
 
 # Two executors (eager vs Inductor) running the same rewritten graph differ only by summation
