@@ -25,11 +25,11 @@ from autoscale.config import Config
 from autoscale.inspect import PrecisionReport, precision_report
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
-from autoscale.passes.graph_utils import dtype_name
+from autoscale.passes.graph_utils import dtype_name, provenance
 from autoscale.passes.insert_grad_scaling import PREFIX_KEY, is_attach
 from autoscale.runtime import owner_of, state_of
 
-__all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend", "rewrite_graph"]
+__all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend", "reach_state", "rewrite_graph"]
 
 log = logging.getLogger("autoscale")
 
@@ -83,7 +83,7 @@ class Backend:
         from autoscale.executors import EXECUTORS, inductor_keeps_roundings  # Inductor: only when compiling
 
         _refuse_ddp_split(example_inputs)
-        if self.config.scaling.mode == "adaptive" and (reached := _reach_state(gm, example_inputs)):
+        if self.config.scaling.mode == "adaptive" and (reached := reach_state(gm, example_inputs)):
             gm, bound = reached
         else:
             bound = []
@@ -151,8 +151,8 @@ def autoscale_backend(gm: GraphModule, example_inputs: Sequence[Any], **options:
 def _refuse_ddp_split(example_inputs: Sequence[Any]) -> None:
     """Dynamo's DDPOptimizer splits a DistributedDataParallel model's graph at its gradient
     buckets and hands the pieces over with fake inputs; only the first piece would see the
-    scaler's state, so the others could not be scaled. Refuse, saying what works instead (Dynamo
-    then runs the frame eagerly, in float32, with this message as its warning)."""
+    scaler's state, so the others could not be scaled. Refuse, saying what works instead (the
+    user sees it as Dynamo's BackendCompilerFailed at the first call)."""
     if not any(isinstance(x, FakeTensor) for x in example_inputs):
         return
     if DistributedDataParallel._get_active_ddp_module() is not None:
@@ -163,7 +163,7 @@ def _refuse_ddp_split(example_inputs: Sequence[Any]) -> None:
             "above the model's parameter size")
 
 
-def _reach_state(gm: GraphModule, example_inputs: Sequence[Any]
+def reach_state(gm: GraphModule, example_inputs: Sequence[Any]
                  ) -> tuple[GraphModule, list[torch.Tensor]] | None:
     """Give a graph the GradScaler state that the model's forward announces (``attach``) when the
     announcement is in another graph: the graphs after a graph break.
@@ -208,6 +208,8 @@ def _reach_state(gm: GraphModule, example_inputs: Sequence[Any]
     with graph.inserting_after(stats):
         attach = graph.call_function(torch.ops.autoscale.attach.default, (scales, stats, state.layout, state.moments))
     attach.meta[PREFIX_KEY] = prefix
+    for node in (scales, stats, attach):
+        provenance(node, "reach_state", "the GradScaler's state, for a graph after a graph break", created=True)
     copy = GraphModule(gm, graph)
     copy.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):

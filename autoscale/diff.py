@@ -36,6 +36,7 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
+from autoscale.backend import reach_state
 from autoscale.config import Config
 from autoscale.inspect import Island, PrecisionReport, format_graph, precision_report
 from autoscale.ops import rescale
@@ -442,7 +443,10 @@ class _Capture:
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         cfg = self.cfg
-        before = _copy(gm)
+        before, before_inputs = _copy(gm), example_inputs
+        if cfg.scaling.mode == "adaptive" and (reached := reach_state(gm, example_inputs)):
+            gm, bound = reached  # (a graph after a graph break, scaled as the backend scales it)
+            example_inputs = [*example_inputs, *bound]
         seed_inputs(gm, example_inputs)
         if cfg.scaling.calibrate:
             calibrate(gm, example_inputs)
@@ -457,7 +461,7 @@ class _Capture:
 
         # The backward graphs. (AOTAutograd traces a copy of the captured graph: ``before`` stays
         # the graph Dynamo runs and the record of the lines before.)
-        autograd_before = _autograd(_copy(before), example_inputs, None)
+        autograd_before = _autograd(_copy(before), before_inputs, None)
         autograd_after = _autograd(gm, example_inputs, joint_stage)
         self.graphs.append(_Graph(len(self.graphs), before, gm, records, report, dynamo, joint,
                                   autograd_before, autograd_after))

@@ -146,4 +146,3 @@ def install_state(model: nn.Module, *, moments: bool = False) -> ScaleState:
 
     root.forward = forward
     return state
-

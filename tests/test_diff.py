@@ -224,6 +224,30 @@ def test_model_with_scaler_state() -> None:
     assert all(torch.equal(buffers[k], v) for k, v in model.named_buffers())
 
 
+class _Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_graphs_after_a_graph_break_are_scaled_as_the_backend_scales_them() -> None:
+    """The diff shows what the backend does: the graph after the break gets the scaler's state
+    (two inputs with provenance) and scale points of its own."""
+    d = diff(_Broken(), (torch.randn(8, 16),), config=NATIVE_ALL)
+    assert d.summary.graphs == 3  # the announcement's graph, and one on each side of the break
+    points = [e.scale for e in d.forward.entries if e.scale is not None and e.scale.kind == "scale"]
+    assert {p.layer for p in points} >= {"a", "b"}
+    assert {p.graph for p in points} == {1, 2}
+    added = [e for e in d.forward.entries if e.status == "inserted" and e.name.startswith("autoscale_")]
+    assert len(added) == 4  # scales and statistics, in each graph
+    assert all(e.provenance is not None and e.provenance.pass_name == "reach_state" for e in added)
+
+
 def test_repeated_diffs_do_not_hit_the_recompile_limit() -> None:
     model, inputs = tiny_case()
     config = Config(compute="native", scaling=ScalingConfig(mode="none"))  # cheapest: no scale points
