@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -135,19 +136,22 @@ def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
 
         out, fstats, counts = torch.ops.autoscale.scale_grad(grad, factor, carried)
         return out, Measured(fstats[0], fstats[1], fstats[2], counts[0] > 0, counts[3] > 0, counts[2].float())
+    # (Finiteness as |x| < inf: false for inf and nan alike, and two ops where isfinite traces to
+    # four; it reuses the |g| the maximum needs. Fewer ops per element and per point matter here:
+    # the kernels these fuse into are compute-bound, and every traced op costs compile time.)
     g = grad.float()
-    finite = torch.isfinite(g)
-    safe = torch.where(finite, g, 0.0)
-    peak = safe.abs().amax() if g.numel() else torch.zeros((), device=g.device)
+    magnitude = g.abs()
+    finite = magnitude < math.inf
+    peak = torch.where(finite, magnitude, 0.0).amax() if g.numel() else torch.zeros((), device=g.device)
     scaled = (g * factor.float()).to(grad.dtype)
-    out = torch.where(torch.isfinite(scaled), scaled, torch.zeros((), dtype=grad.dtype, device=grad.device))
-    unit = safe / carried.float()
+    out = torch.where(scaled.abs() < math.inf, scaled, torch.zeros((), dtype=grad.dtype, device=grad.device))
+    unit = torch.where(finite, g, 0.0) / carried.float()
     return out, Measured(
         amax=peak / carried.float(),
         total=unit.sum(),
         squares=(unit * unit).sum(),
-        arrived=(~finite).any(),
-        made=~torch.isfinite((peak * factor.float()).to(grad.dtype)),
+        arrived=~finite.all(),
+        made=~((peak * factor.float()).to(grad.dtype) < math.inf),  # (peak ≥ 0: no abs needed)
         zeros=(g == 0).sum(dtype=torch.int32).float(),
     )
 
@@ -165,6 +169,8 @@ def _accumulate(stats: torch.Tensor, rows: dict[int, torch.Tensor]) -> None:
 def _max_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
     if not rows:
         return torch.ones((), dtype=scales.dtype, device=scales.device)
+    if len(rows) == 1:  # (the usual case: one select, where an index and a reduction trace to four ops)
+        return scales[rows[0]]
     return scales[list(rows)].amax()
 
 
@@ -195,14 +201,15 @@ class _Rescale(torch.autograd.Function):
         # (numel as a SymInt, not float(): that would specialize a dynamic batch size to its first value)
         elements = torch.full((), grad.numel(), dtype=torch.float32, device=grad.device)
         # (Σ g and Σ g² only for a rule that reads them: unused, Inductor drops their reductions)
-        recorded = torch.stack([zero, m.amax, m.total if moments else zero, m.squares if moments else zero, elements,
-                                m.zeros if weight_grad else zero, elements if weight_grad else zero])
-        flag = torch.arange(NUM_STATS, device=grad.device) == STAT["nonfinite"]
+        recorded = [m.amax, m.total if moments else zero, m.squares if moments else zero, elements,
+                    m.zeros if weight_grad else zero, elements if weight_grad else zero]
         arrived, made = m.arrived.float(), m.made.float()
         rows = {}
         for row in sorted(set(record_rows) | set(in_rows) | set(out_rows)):
-            blame = (arrived if row in in_rows else zero) + (made if row in out_rows else zero)
-            rows[row] = (recorded if row in record_rows else torch.zeros_like(recorded)) + flag * blame
+            flags = [flag for flag, blamed in ((arrived, row in in_rows), (made, row in out_rows)) if blamed]
+            nonfinite = sum(flags[1:], flags[0]) if flags else zero
+            # laid out by STAT: the non-finite count first
+            rows[row] = torch.stack([nonfinite, *(recorded if row in record_rows else [zero] * len(recorded))])
         _accumulate(ctx.stats, rows)
         return out, *_NO_GRADS
 

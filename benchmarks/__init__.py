@@ -1,0 +1,16 @@
+"""Benchmarks: each writes a report under docs/results/ (see README.md's Results)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+NOTES_HEADING = "## What the numbers say"
+
+
+def notes_of(path: Path) -> str:
+    """The hand-written analysis of an existing report, from ``NOTES_HEADING`` to the end ("" when
+    there is none), so that a re-run replaces the figures and keeps the analysis for review."""
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    return text[text.index(NOTES_HEADING):] if NOTES_HEADING in text else ""

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoscale
+from benchmarks import notes_of
 
 
 def mlp(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -172,7 +173,9 @@ def main() -> None:
             f"{'--quick' if args.quick else 'full'} run; median step time over {rounds} interleaved rounds of "
             f"{steps} steps.\n\n" + "\n".join(lines) + f"\n\nGeometric mean of the ratios: {overall:.2f}.\n")
     name = "overhead.md" if args.device == "cpu" else f"overhead_{args.device}.md"
-    Path(__file__).resolve().parent.parent.joinpath("docs", "results", name).write_text(text)
+    path = Path(__file__).resolve().parent.parent / "docs" / "results" / name
+    notes = notes_of(path)
+    path.write_text(text + ("\n" + notes if notes else ""))
     print("\n".join(lines))
     print(f"overhead ratio (autoscale / inductor+autocast+GradScaler): {overall:.2f}")
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoscale
+from benchmarks import notes_of
 
 __all__ = ["KINDS", "Report", "run"]
 
@@ -181,10 +182,8 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     path = Path(__file__).resolve().parent.parent / "docs" / "results" / "reliability.md"
-    notes = ""
-    if path.exists() and "## What the numbers say" in (old := path.read_text()):
-        notes = "\n" + old[old.index("## What the numbers say"):]
-    path.write_text(f"# Reliability: fault injection\n\n{__doc__}\n{table}\n{notes}")
+    notes = notes_of(path)
+    path.write_text(f"# Reliability: fault injection\n\n{__doc__}\n{table}\n" + ("\n" + notes if notes else ""))
 
 
 if __name__ == "__main__":

@@ -20,15 +20,14 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import notes_of
+
 from . import report
 from .methods import METHODS
 from .tasks import TASKS
 from .train import RunResult, run
 
 ROOT = Path(__file__).resolve().parents[2]
-NOTES_HEADING = "## What the numbers say"
-
-
 def _load(cache: Path) -> dict[tuple[str, str, int, int], RunResult]:
     runs = {}
     if cache.exists():
@@ -37,14 +36,6 @@ def _load(cache: Path) -> dict[tuple[str, str, int, int], RunResult]:
                 r = RunResult(**json.loads(line))
                 runs[(r.task, r.method, r.seed, r.steps)] = r
     return runs
-
-
-def _notes(path: Path) -> str:
-    """The hand-written analysis of an existing report (from its NOTES_HEADING to the end)."""
-    if not path.exists():
-        return ""
-    text = path.read_text()
-    return text[text.index(NOTES_HEADING):] if NOTES_HEADING in text else ""
 
 
 def main() -> None:
@@ -88,7 +79,7 @@ def main() -> None:
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     args.out.mkdir(parents=True, exist_ok=True)
     text = report.markdown(summary, seeds=seeds, quick=args.quick, machine=machine, minutes=minutes,
-                           notes=_notes(out_md))
+                           notes=notes_of(out_md))
     out_md.write_text(text)
     written = report.plot(summary, runs, args.out / "numerics")
     print(f"wrote {os.path.relpath(out_md)} and {', '.join(os.path.relpath(p) for p in written)}")
