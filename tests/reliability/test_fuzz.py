@@ -4,8 +4,8 @@ Hypothesis draws 200 models from the grammar in ``fuzz_models`` (linear, conv, b
 attention, residual merges, activations, reductions, views, concatenation and splits). Each one is
 compiled with ``backend=autoscale.backend(...)`` (the eager executor) and a ``GradScaler`` created
 before the first forward, in the mode its spec draws: adaptive (per-layer scale points in the
-graph; three models in four) or dynamic (one loss scale). Each trains two SGD steps, the second under the scales the first one's
-``update()`` set. At each step, next to a copy in eager float32 at the same weights: no crash,
+graph; three models in four) or dynamic (one loss scale). Each trains two SGD steps, the second
+under the scales the first one's ``update()`` set. At each step, next to a copy in eager float32 at the same weights: no crash,
 finite gradients, the step is not skipped, and the loss, all gradients together and every
 parameter gradient match float32 within the tolerance table (tests/tolerances.py).
 
