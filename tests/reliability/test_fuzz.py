@@ -5,9 +5,10 @@ attention, residual merges, activations, reductions, views, concatenation and sp
 compiled with ``backend=autoscale.backend(...)`` (the eager executor) and a ``GradScaler`` created
 before the first forward, in the mode its spec draws: adaptive (per-layer scale points in the
 graph; three models in four) or dynamic (one loss scale). Each trains two SGD steps, the second
-under the scales the first one's ``update()`` set. At each step, next to a copy in eager float32 at the same weights: no crash,
-finite gradients, the step is not skipped, and the loss, all gradients together and every
-parameter gradient match float32 within the tolerance table (tests/tolerances.py).
+under the scales the first one's ``update()`` set. At each step, next to a copy in eager float32 at
+the same weights: no crash, finite gradients, the step is not skipped, and the loss, all gradients
+together and every parameter gradient match float32 within the tolerance table
+(tests/tolerances.py).
 
 One exception, decided per gradient and per step: a parameter gradient that float16 precision does
 not determine (``GRAD_RESOLUTION_DB``) is checked only within all gradients together.
