@@ -26,7 +26,6 @@ one, which the scaler sees and skips.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 
 from autoscale.ops import E4M3_MAX, E5M2_MAX
-from autoscale.runtime import unwrap
+from autoscale.runtime import LAYOUT_SEP, announce_in_forward, unwrap
 from autoscale.schedules import Schedule
 
 __all__ = [
@@ -195,20 +194,14 @@ class FakeQuant:
             raise ValueError(f"FakeQuant bits={bits!r} is not valid; it must be an int in [1, 24]")
         self.schedule = schedule
         names = [name for name, _ in root.named_modules()]
-        self.layout = "\x1f".join(names)
+        self.layout = LAYOUT_SEP.join(names)
         device = next((p.device for p in root.parameters()), torch.device("cpu"))
         root.register_buffer(_BITS, torch.full((), float(bits), device=device), persistent=False)
         root.register_buffer(_RANGES, torch.zeros(len(names) * SLOTS, 3, device=device), persistent=False)
         object.__setattr__(root, _STATE_ATTR, self)
         self._root = root
-        inner = root.forward
-
-        @functools.wraps(inner)
-        def forward(*args: Any, **kw: Any) -> Any:
-            torch.ops.autoscale.attach_quant(getattr(root, _BITS), getattr(root, _RANGES), self.layout, root.training)
-            return inner(*args, **kw)
-
-        root.forward = forward
+        announce_in_forward(root, lambda m: torch.ops.autoscale.attach_quant(
+            getattr(m, _BITS), getattr(m, _RANGES), self.layout, m.training))
         if schedule is not None:
             self.step(0)
 
@@ -240,4 +233,4 @@ class FakeQuant:
 
 def rows(layout: str) -> dict[str, int]:
     """Module path -> its first row in the ranges buffer (``SLOTS`` rows per module)."""
-    return {name: i * SLOTS for i, name in enumerate(layout.split("\x1f"))}
+    return {name: i * SLOTS for i, name in enumerate(layout.split(LAYOUT_SEP))}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autoscale.ops import FP16_MAX, NUM_STATS, STAT
 
-__all__ = ["LOSS_ROW", "LAYOUT_SEP", "ScaleState", "install_state", "owner_of", "state_of", "unwrap"]
+__all__ = ["LOSS_ROW", "LAYOUT_SEP", "ScaleState", "announce_in_forward", "install_state", "owner_of", "state_of",
+           "unwrap"]
 
 LOSS_ROW = 0
 LAYOUT_SEP = "\x1f"
@@ -137,12 +138,22 @@ def install_state(model: nn.Module, *, moments: bool = False) -> ScaleState:
         return existing
     state = ScaleState(root, [name for name, _ in root.named_modules()], moments=moments)
     object.__setattr__(root, _STATE_ATTR, state)  # a plain attribute, not a submodule
+    announce_in_forward(root, lambda m: torch.ops.autoscale.attach(
+        getattr(m, _SCALES), getattr(m, _STATS), state.layout, state.moments))
+    return state
+
+
+def announce_in_forward(root: nn.Module, announce: Callable[[nn.Module], None]) -> None:
+    """Make ``root``'s forward call ``announce(root)`` first: a marker op (``autoscale::attach``,
+    ``autoscale::attach_quant``) on a runtime state's buffers, through which Dynamo lifts them into
+    the graph as inputs and a pass finds them. The buffers are looked up at each call, so that
+    ``model.to(device)`` carries them along; ``root`` is handed over rather than closed over, so
+    that Dynamo names the graph's inputs after it (``l_root_...``) wherever ``announce`` comes from."""
     inner = root.forward
 
     @functools.wraps(inner)
     def forward(*args: Any, **kw: Any) -> Any:
-        torch.ops.autoscale.attach(getattr(root, _SCALES), getattr(root, _STATS), state.layout, state.moments)
+        announce(root)
         return inner(*args, **kw)
 
     root.forward = forward
-    return state

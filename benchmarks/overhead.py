@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 import autoscale
 from benchmarks import notes_of
+from benchmarks.numerics.tasks import Block
 
 
 def mlp(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -53,26 +54,20 @@ def cnn(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
 
 
-class Block(nn.Module):
+class _Classifier(nn.Module):
+    """A transformer block (the numerics LM's) with a mean-pooled linear head."""
+
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.head = nn.Linear(d, 10)
+        self.block, self.head = Block(d, heads), nn.Linear(d, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
-        x = x + self.out(F.gelu(self.fc(self.ln2(x))))
-        return self.head(x.mean(1))
+        return self.head(self.block(x).mean(1))
 
 
 def transformer(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     d, seq, batch = (64, 32, 8) if quick else (128, 64, 16)
-    return Block(d, 4), torch.randn(batch, seq, d), torch.randint(0, 10, (batch,))
+    return _Classifier(d, 4), torch.randn(batch, seq, d), torch.randint(0, 10, (batch,))
 
 
 MODELS: dict[str, Callable[[bool], tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {

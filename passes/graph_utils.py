@@ -177,7 +177,7 @@ def float_dtype(node: Any) -> torch.dtype | None:
 # a bound method's ``__self__`` (a forward wrapped by ``GradScaler`` closes over one).
 _ROOT = re.compile(r"^[LG]\['[^']*'\](?:\.__self__)?\.?")
 # Inside the model, wrappers that are the module they wrap: a submodule with such a wrapped
-# forward, reached through it (``inner.forward.__closure__[0].cell_contents.__self__.fc1`` is
+# forward, reached through it (``inner.forward.__closure__[1].cell_contents.__self__.fc1`` is
 # ``inner.fc1``: the scaler's model is part of the compiled one), and a submodule compiled on its
 # own (``inner._orig_mod.fc1``: Dynamo inlines it into the outer graph).
 _WRAPPED = re.compile(r"\.(?:forward\.__closure__\[\d+\]\.cell_contents\.__self__|_orig_mod)(?=\.|$)")

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["STRESS_DIVISOR", "TASKS", "Data", "Task", "get"]
+__all__ = ["STRESS_DIVISOR", "TASKS", "Block", "Data", "Task", "get"]
 
 STRESS_DIVISOR = 2.0**12
 
@@ -169,7 +169,9 @@ def _text() -> Data:
     return Data(train[:, :-1], train[:, 1:], test[:, :-1], test[:, 1:])
 
 
-class _Block(nn.Module):
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention and a GELU MLP, each residual."""
+
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
@@ -189,7 +191,7 @@ class _LM(nn.Module):
     def __init__(self, layers: int, d: int = 64, heads: int = 4) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(SEQ, d)
-        self.blocks = nn.Sequential(*(_Block(d, heads) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
