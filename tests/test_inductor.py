@@ -32,3 +32,27 @@ def test_scaled_training_step_has_no_graph_breaks_and_fuses_the_scaling() -> Non
     assert "torch.ops.autoscale" not in backward
     assert any("maximum" in k and "copy_" in k for k in kernels), kernels
     assert "attach" not in forward  # the anchor op was removed by the pass
+
+
+def _large_allocations(code: str) -> int:
+    """Buffers of more than 64 elements the compiled graph's wrapper allocates."""
+    shapes = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code)
+    return sum(1 for shape in shapes if torch.Size(int(d) for d in shape.split(",") if d.strip()).numel() > 64)
+
+
+def test_rescale_points_write_in_place() -> None:
+    """The scaled backward allocates no more gradient-sized buffers than the same graph under
+    torch.amp's GradScaler: each point writes its output over the gradient it read (on CPU, a
+    fresh buffer cost more than the point's arithmetic; see ``autoscale.ops.scale_and_measure``)."""
+    def backward_code(adaptive: bool) -> str:
+        torch._dynamo.reset()
+        model, (x,), y = mlp_case()
+        scaler = autoscale.GradScaler(model) if adaptive else torch.amp.GradScaler("cpu")
+        compiled = torch.compile(model, backend="autoscale")
+        _, (_, backward) = run_fw_bw_and_get_code(lambda: scaler.scale(F.cross_entropy(compiled(x), y)))
+        return backward
+
+    scaled, plain = backward_code(adaptive=True), backward_code(adaptive=False)
+    assert scaled.count("amax") > 0  # (the points are there)
+    assert _large_allocations(scaled) <= _large_allocations(plain), (_large_allocations(scaled),
+                                                                     _large_allocations(plain))

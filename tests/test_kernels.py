@@ -74,6 +74,30 @@ def test_cpu_path_measures_what_the_reference_counts(size: int, data: st.DataObj
     assert (bool(m.arrived), bool(m.made), int(m.zeros)) == (counts[0] > 0, counts[3] > 0, int(counts[2]))
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(size=sizes, data=st.data(), dtype=st.sampled_from([torch.float16, torch.float32]),
+       factor=st.sampled_from([1.0, 2.0**10, 2.0**-10, 2.0**24, 2.0**-20]),
+       carried=st.sampled_from([1.0, 2.0**15, 2.0**-3]))
+def test_cpu_path_for_a_leaving_gradient_measures_its_output(size: int, data: st.DataObject, dtype: torch.dtype,
+                                                             factor: float, carried: float) -> None:
+    """A gradient leaving the graph (``leaving=True``) is handed back unguarded and measured as the
+    reference measures a gradient that carries the output's scale. For float32 parameter
+    gradients of float16 values, that is what measuring the arriving gradient gives."""
+    fill = data.draw(st.lists(values, min_size=min(size, 64), max_size=min(size, 64)))
+    base = torch.tensor(fill or [0.0], dtype=torch.float32)
+    grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
+    f, c = torch.tensor(factor), torch.tensor(carried)
+    out, m = scale_and_measure(grad, f, c, leaving=True)
+    torch.testing.assert_close(out, (grad.float() * f).to(dtype), rtol=0, atol=0, equal_nan=True)  # exactly
+    _, fstats, counts = scale_grad_reference(out, torch.tensor(1.0), f * c)
+    assert [m.amax.item(), m.total.item(), m.squares.item()] == fstats.tolist()
+    assert (bool(m.arrived), bool(m.made), int(m.zeros)) == (counts[0] > 0, False, int(counts[2]))
+    if dtype == torch.float32:
+        _, fstats_in, counts_in = scale_grad_reference(grad, f, c)
+        assert m.amax.item() == fstats_in[0].item() and int(m.zeros) == int(counts_in[2])
+        assert bool(m.arrived) == (counts_in[0] > 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_special_cases(dtype: torch.dtype) -> None:
     _check(torch.zeros(BLOCK + 3, dtype=dtype, device=DEVICE), 2.0**8, 1.0)          # all zeros
