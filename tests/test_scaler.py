@@ -234,6 +234,16 @@ def test_adaptive_update_rule(due: bool) -> None:
     adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, **{**kw, "growth": 2.0})
     assert scales.tolist() == ([1.0, 2.0, 8.0, 16.0] if due else [1.0, 8.0, 8.0, 8.0])
 
+    # the host's answer (GradScaler.step synced for it) takes a shorter path to the same state
+    after = []
+    for known in (None, False):
+        scales, stats, last, overflows, skips = state(nonfinite=0.0)
+        stats[1, STAT["amax"]] = 500.0
+        assert not adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, known=known,
+                                   **{**kw, "growth": 2.0})
+        after.append([t.tolist() for t in (scales, stats, last, overflows, skips)])
+    assert after[0] == after[1]
+
     scales, stats, last, overflows, skips = state(nonfinite=2.0)
     overflow = adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, **kw)
     assert overflow and skips.item() == 1 and overflows.tolist() == [0.0, 0.0, 0.0, 1.0]
