@@ -194,25 +194,31 @@ def overflow_threshold(dtype: torch.dtype) -> float:
 def _accumulate(stats: torch.Tensor, entries: dict[tuple[int, str], torch.Tensor]) -> None:
     """Fold each ``entries[row, column]`` into ``stats[row, STAT[column]]``: max for amax, sum otherwise.
 
-    One pointwise update of the whole (small) tensor, selecting each entry by its constant flat
-    index, so Inductor fuses it into the point's kernel as one short loop that reads the point's
-    scalars. (Built with ``torch.stack`` and row indexing, each scalar became a buffer of its own
-    and an alias in the compiled graph's Python wrapper: ~40 wrapper lines per point, ~0.5 ms per
-    MLP step on CPU. An opaque custom op here cost ~80 µs a call.)
+    One pointwise update per row, each column picked by a constant index, which Inductor fuses
+    into the point's kernel. How this is written decides the compiled backward's buffers:
+    * with ``torch.stack`` building the row, each scalar became a buffer of its own and an alias
+      in the compiled graph's Python wrapper (~40 wrapper lines per point, ~0.5 ms per MLP step);
+    * as one update of the whole tensor, Inductor deferred every point's fold to one kernel at the
+      end, so every point's scalars lived through the whole backward; small buffers pinned between
+      large ones kept glibc trimming and regrowing the heap (~600 page faults, ~1 ms per step);
+    * per row, each point's fold runs with its kernel and its scalars die there.
+    (An opaque custom op here cost ~80 µs a call.)
     """
-    index = torch.arange(stats.numel(), device=stats.device).view_as(stats)
-    added = torch.zeros((), device=stats.device)
-    peaks = []
-    for (row, column), value in entries.items():
-        at = index == row * NUM_STATS + STAT[column]
-        if column == "amax":
-            peaks.append((at, value))
-        else:
-            added = torch.where(at, value, added)
-    new = stats + added
-    for at, value in peaks:
-        new = torch.where(at, torch.maximum(stats, value), new)
-    stats.copy_(new)
+    column = torch.arange(NUM_STATS, device=stats.device)
+    by_row: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for (row, name), value in entries.items():
+        by_row.setdefault(row, []).append((name, value))
+    for row, values in by_row.items():
+        current = stats[row]
+        added = torch.zeros((), device=stats.device)
+        for name, value in values:
+            if name != "amax":
+                added = torch.where(column == STAT[name], value, added)
+        new = current + added
+        for name, value in values:
+            if name == "amax":
+                new = torch.where(column == STAT[name], torch.maximum(current, value), new)
+        stats[row] = new
 
 
 def _max_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
