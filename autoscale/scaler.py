@@ -98,6 +98,8 @@ class GradScaler:
         self._group = process_group
         self._agreed = False  # this step's flags are already reduced across ranks
         self._decided: bool | None = None  # this step's overflow flag, when step() synced for it
+        # Whether scale() multiplies: adaptive mode's loss scale stays 1 unless update(new_scale) sets one.
+        self._multiplies = cfg.mode not in ("none", "adaptive")
 
     # ------------------------------------------------------------------ torch.amp interface
 
@@ -105,8 +107,9 @@ class GradScaler:
         return self.config.mode != "none"
 
     def scale(self, outputs: torch.Tensor) -> torch.Tensor:
-        """``outputs`` times the loss scale (1 in adaptive mode: the layers scale themselves)."""
-        if not self.is_enabled():
+        """``outputs`` times the loss scale (1 in adaptive mode: the layers scale themselves, and
+        ``outputs`` comes back as is, with no multiply in the forward and none in the backward)."""
+        if not self._multiplies:
             return outputs
         return outputs * self._loss_scale.to(outputs.dtype)
 
@@ -119,13 +122,14 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._check_grads(optimizer, self._loss_scale.double().reciprocal().float())
+        self._check_grads(optimizer, unscale=True)
         self._stages[id(optimizer)] = _Stage.UNSCALED
 
-    def _check_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor) -> None:
-        """Multiply the gradients by ``inv_scale`` and note any inf/nan, on the device. Gradients a
-        compiled graph already checked as it unscaled them (adaptive mode) are skipped: that
-        check was fused into the backward, and this would be another pass over their memory."""
+    def _check_grads(self, optimizer: torch.optim.Optimizer, *, unscale: bool) -> None:
+        """Note any inf/nan in the gradients, on the device, and divide them by the loss scale if
+        ``unscale``. Gradients a compiled graph already checked as it unscaled them (adaptive
+        mode) are skipped: that check was fused into the backward, and this would be another pass
+        over their memory."""
         checked = self._state.checked if self._state is not None else {}
         by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for group in optimizer.param_groups:
@@ -134,6 +138,7 @@ class GradScaler:
                     by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
         for (device, _), grads in by_device.items():
             found = torch.zeros((), device=device)
+            inv_scale = self._loss_scale.double().reciprocal().float() if unscale else torch.ones(())
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
             self._found_inf += found.to(self._found_inf.device)
         self._agreed = False
@@ -150,7 +155,7 @@ class GradScaler:
             # torch.amp's fused protocol: the optimizer unscales and skips on device, no sync.
             opt: Any = optimizer
             if stage is _Stage.READY:  # look for inf/nan without unscaling: the optimizer unscales
-                self._check_grads(optimizer, torch.ones((), device=self._loss_scale.device))
+                self._check_grads(optimizer, unscale=False)
             opt.grad_scale = None if stage is _Stage.UNSCALED else self._loss_scale
             opt.found_inf = self._overflowed()
             try:
@@ -181,6 +186,7 @@ class GradScaler:
             self._skips += overflow
             if new_scale is not None:
                 self._loss_scale.fill_(float(new_scale))
+                self._multiplies = True
             elif self.config.mode == "dynamic":
                 self._update_dynamic(overflow)
             self._found_inf.zero_()
