@@ -678,11 +678,11 @@ def _scale_infos(g: _Graph) -> dict[Node, ScaleInfo]:
     for n in g.after.graph.nodes:
         if not _is_rescale(n):
             continue
-        x, _, _, out_rows, in_rows, record_rows, weight_grad = n.args[:7]
+        x, _, _, out_rows, in_rows, record_rows, unscale = n.args[:7]
         assert isinstance(x, Node)
         prov = n.meta.get(PROVENANCE_KEY, {})
         point = points.get((x, prov.get("reason")))
-        kind: ScaleKind = "scale" if point is not None else "unscale" if weight_grad else "align"
+        kind: ScaleKind = "scale" if point is not None else "unscale" if unscale else "align"
         row = out_rows[0] if len(out_rows) == 1 else None
         layer = layers[row] if point is not None and row is not None and row < len(layers) else prov.get("layer", "")
         infos[n] = ScaleInfo(

@@ -1,6 +1,6 @@
 """autoscale's graph ops: the ``autoscale::`` custom ops and the gradient rescale point.
 
-``rescale(x, scales, stats, out_rows, in_rows, record_rows, weight_grad)`` is the identity in
+``rescale(x, scales, stats, out_rows, in_rows, record_rows, unscale)`` is the identity in
 the forward. In the backward it multiplies the arriving gradient by
 
     factor = max(scales[out_rows]) / max(scales[in_rows])        (an empty set means 1)
@@ -11,7 +11,7 @@ scale in ``scales`` is an *absolute* target: the total scale a gradient carries 
 layer's scale point (row 0 is the loss scale). A scale point is ``out_rows=(r,)`` with
 ``in_rows`` the scale the gradient arrives with; aligning branches at a merge is
 ``out_rows=`` their union; unscaling a parameter's gradient back to the loss scale is
-``out_rows=(0,)``.
+``out_rows=(0,)`` with ``unscale`` set (that gradient leaves the graph, and its zeros are counted).
 
 Statistics are normalized by the scale the gradient arrived with, so the update rule sees
 magnitudes at unit scale and needs no knowledge of the graph. ``scale_and_measure`` is the
@@ -235,35 +235,35 @@ class _Rescale(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor,
                 out_rows: tuple[int, ...], in_rows: tuple[int, ...], record_rows: tuple[int, ...],
-                weight_grad: bool, moments: bool) -> torch.Tensor:
+                unscale: bool, moments: bool) -> torch.Tensor:
         ctx.save_for_backward(scales)
         ctx.stats = stats  # held, not saved: the backward writes it in place
-        ctx.rows = out_rows, in_rows, record_rows, weight_grad, moments
+        ctx.rows = out_rows, in_rows, record_rows, unscale, moments
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (scales,) = ctx.saved_tensors
-        out_rows, in_rows, record_rows, weight_grad, moments = ctx.rows
+        out_rows, in_rows, record_rows, unscale, moments = ctx.rows
         carried = _max_of(scales, in_rows)
         factor = _max_of(scales, out_rows) / carried
-        out, m = scale_and_measure(grad, factor, carried, leaving=weight_grad)
+        out, m = scale_and_measure(grad, factor, carried, leaving=unscale)
         # One statistics update per point. Rows in ``record_rows`` get the gradient's statistics
         # (a bias's unscale point records none: its weight's point does). Non-finite values are
         # blamed on the scale that produced them: those that arrived non-finite were made under
         # ``in_rows``; those this point made, by ``out_rows`` (``out`` has them zeroed, so the rest
         # of the backward does not blame every layer below; the step is skipped anyway). So a
-        # gradient leaving through an unscale point (``weight_grad``: it can make none) is checked,
-        # and ``GradScaler.step`` skips it.
+        # gradient leaving through an unscale point is checked (it is measured after the unscale,
+        # which makes nothing non-finite in float32), and ``GradScaler.step`` skips it.
         # (numel as a SymInt, not float(): that would specialize a dynamic batch size to its first value)
         elements = torch.full((), grad.numel(), dtype=torch.float32, device=grad.device)
         recorded = {"amax": m.amax, "count": elements}
         if moments:  # (Σ g and Σ g² only for a rule that reads them)
             recorded.update(sum=m.total, sumsq=m.squares)
-        if weight_grad:
+        if unscale:
             recorded.update(zeros=m.zeros, numel=elements)
         arrived, made = m.arrived.float(), m.made.float()
-        made_rows = () if weight_grad else out_rows
+        made_rows = () if unscale else out_rows
         entries: dict[tuple[int, str], torch.Tensor] = {}
         for row in sorted(set(record_rows) | set(in_rows) | set(made_rows)):
             flags = [flag for flag, blamed in ((arrived, row in in_rows), (made, row in made_rows)) if blamed]
@@ -279,10 +279,10 @@ _NO_GRADS = (None,) * 7  # for rescale's arguments after x
 
 
 def rescale(x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
-            in_rows: tuple[int, ...], record_rows: tuple[int, ...] = (), weight_grad: bool = False,
+            in_rows: tuple[int, ...], record_rows: tuple[int, ...] = (), unscale: bool = False,
             moments: bool = False) -> torch.Tensor:
     """Identity forward; backward rescales the gradient and records its statistics (see the module)."""
-    out: torch.Tensor = _Rescale.apply(x, scales, stats, out_rows, in_rows, record_rows, weight_grad, moments)
+    out: torch.Tensor = _Rescale.apply(x, scales, stats, out_rows, in_rows, record_rows, unscale, moments)
     return out
 
 

@@ -189,11 +189,11 @@ class _State:
         return self.rows.get(path, LOSS_ROW)
 
     def _rescale(self, x: Node, out_rows: Rows, in_rows: Rows, record: Rows, *, after: Node, like: Node,
-                 reason: str, weight_grad: bool = False) -> Node:
+                 reason: str, unscale: bool = False) -> Node:
         with self.graph.inserting_after(after):
             node = new_node(self.graph, "call_function", rescale, (
                 x, self.scales, self.stats, tuple(sorted(out_rows)), tuple(sorted(in_rows)), tuple(sorted(record)),
-                weight_grad, self.moments))
+                unscale, self.moments))
         for key in ("nn_module_stack", "stack_trace"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]
@@ -273,7 +273,7 @@ class _State:
             # in one kernel reading every dW back from memory: +12% step time on the full MLP).
             first_use = min(p.users, key=order.__getitem__)
             point = self._rescale(p, frozenset({LOSS_ROW}), rows, record, after=first_use.prev,
-                                  like=p, reason=f"unscale the gradient of {p.name}", weight_grad=True)
+                                  like=p, reason=f"unscale the gradient of {p.name}", unscale=True)
             redirect_uses(p, point)
             unscaled.append(index)
         return unscaled
