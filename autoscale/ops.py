@@ -137,10 +137,10 @@ def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
     kernel took 1.0 ms against 0.34 ms unscaled; in place, 0.5 ms). So either ``out`` reads the
     flags, which makes the reductions its ancestors (and costs a second, cache-warm pass), or, for
     a gradient ``leaving`` the graph (a parameter's, unscaled), the statistics are measured on
-    ``out`` itself in one pass. Nothing below a leaving gradient reads it, so it is handed back unguarded, inf and
-    nan kept, as torch.amp leaves them; ``arrived`` then flags any non-finite value in it (the
-    unscale itself makes one only where grad's dtype cannot hold g·factor: never for the float32
-    gradient of float16 values).
+    ``out`` itself in one pass. Nothing below a leaving gradient reads it, so it is handed back
+    unguarded, inf and nan kept, as torch.amp leaves them; ``arrived`` then flags any non-finite
+    value in it (the unscale itself makes one only where grad's dtype cannot hold g·factor: never
+    for the float32 gradient of float16 values).
     """
     if grad.device.type == "cuda":
         import autoscale.kernels.scale_grad  # noqa: F401  (registers autoscale::scale_grad)

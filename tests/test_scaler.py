@@ -308,6 +308,17 @@ def test_static_and_none_modes() -> None:
     assert not none.is_enabled() and none.scale(loss) is loss and none.get_scale() == 1.0
 
 
+def test_adaptive_scale_multiplies_only_once_given_a_loss_scale() -> None:
+    """Adaptive mode's loss scale is 1 (the layers scale themselves): scale() hands the loss back
+    without a multiply, until update(new_scale) sets one."""
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model)
+    loss = F.cross_entropy(model(x), y)
+    assert scaler.scale(loss) is loss
+    scaler.update(new_scale=8.0)
+    assert torch.equal(scaler.scale(loss), loss * 8)
+
+
 def test_state_dict_round_trip_continues_bit_identically() -> None:
     def make() -> tuple[nn.Module, GradScaler, torch.optim.Optimizer, nn.Module]:
         torch._dynamo.reset()
