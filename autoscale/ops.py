@@ -138,9 +138,9 @@ def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
     flags, which makes the reductions its ancestors (and costs a second, cache-warm pass), or, for
     a gradient ``leaving`` the graph (a parameter's, unscaled), the statistics are measured on
     ``out`` itself in one pass. Nothing below a leaving gradient reads it, so it is handed back
-    unguarded, inf and nan kept, as torch.amp leaves them; ``arrived`` then flags any non-finite
-    value in it (the unscale itself makes one only where grad's dtype cannot hold g·factor: never
-    for the float32 gradient of float16 values).
+    unguarded, inf and nan kept, as torch.amp leaves them (CUDA's kernel zeroes them either way);
+    ``arrived`` then flags any non-finite value in it (the unscale itself makes one only where
+    grad's dtype cannot hold g·factor: never for the float32 gradient of float16 values).
     """
     if grad.device.type == "cuda":
         import autoscale.kernels.scale_grad  # noqa: F401  (registers autoscale::scale_grad)
@@ -253,8 +253,7 @@ class _Rescale(torch.autograd.Function):
         # blamed on the scale that produced them: those that arrived non-finite were made under
         # ``in_rows``; those this point made, by ``out_rows`` (``out`` has them zeroed, so the rest
         # of the backward does not blame every layer below; the step is skipped anyway). So a
-        # gradient leaving through an unscale point is checked (it is measured after the unscale,
-        # which makes nothing non-finite in float32), and ``GradScaler.step`` skips it.
+        # gradient leaving through an unscale point is checked, and ``GradScaler.step`` skips it.
         # (numel as a SymInt, not float(): that would specialize a dynamic batch size to its first value)
         elements = torch.full((), grad.numel(), dtype=torch.float32, device=grad.device)
         recorded = {"amax": m.amax, "count": elements}
@@ -262,7 +261,10 @@ class _Rescale(torch.autograd.Function):
             recorded.update(sum=m.total, sumsq=m.squares)
         if unscale:
             recorded.update(zeros=m.zeros, numel=elements)
-        arrived, made = m.arrived.float(), m.made.float()
+        # An unscale point's output leaves the graph: whatever is non-finite in it is blamed on the
+        # layer's scale (on CPU it is measured after the unscale; CUDA's kernel reports apart what
+        # the unscale made, which only a float16 parameter's gradient can hold).
+        arrived, made = (m.arrived | m.made).float() if unscale else m.arrived.float(), m.made.float()
         made_rows = () if unscale else out_rows
         entries: dict[tuple[int, str], torch.Tensor] = {}
         for row in sorted(set(record_rows) | set(in_rows) | set(made_rows)):

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autoscale.kernels.scale_grad import BLOCK, scale_grad_triton
-from autoscale.ops import scale_and_measure, scale_grad_reference
+import autoscale.ops
+from autoscale.ops import NUM_STATS, STAT, Measured, rescale, scale_and_measure, scale_grad_reference
 
 SPECIAL = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 6.1e-5, 65504.0, -65504.0, 65519.0, 1e-3,
            float("inf"), float("-inf"), float("nan")]
@@ -129,3 +130,37 @@ def test_op_has_fake_impl_and_reference_cpu_path() -> None:
         fake_out, fake_fstats, fake_counts = torch.ops.autoscale.scale_grad(
             mode.from_tensor(g), mode.from_tensor(f), mode.from_tensor(c))
     assert fake_out.shape == g.shape and fake_counts.dtype == torch.int64 and fake_fstats.shape == (3,)
+
+
+def _through_rescale(grad: torch.Tensor, scales: list[float], out_rows: tuple[int, ...], in_rows: tuple[int, ...],
+                     *, unscale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad`` back through one eager rescale point: (the gradient it hands on, the stats it wrote)."""
+    stats = torch.zeros(len(scales), NUM_STATS)
+    x = torch.zeros(grad.shape, dtype=grad.dtype, requires_grad=True)
+    rescale(x, torch.tensor(scales), stats, out_rows, in_rows, out_rows + in_rows, unscale=unscale).backward(grad)
+    assert x.grad is not None
+    return x.grad, stats
+
+
+def test_rescale_blames_non_finite_values_on_the_scale_that_made_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row 1 sends the gradient (in_rows), row 2 is the point's own scale (out_rows)."""
+    nonfinite = STAT["nonfinite"]
+    arrived = torch.tensor([1.0, float("inf")], dtype=torch.float16)
+    out, stats = _through_rescale(arrived, [1.0, 1.0, 2.0], (2,), (1,), unscale=False)
+    assert stats[:, nonfinite].tolist() == [0.0, 1.0, 0.0] and out.tolist() == [2.0, 0.0]  # zeroed below
+    out, stats = _through_rescale(torch.tensor([1.0, 40000.0], dtype=torch.float16), [1.0, 1.0, 2.0], (2,), (1,),
+                                  unscale=False)
+    assert stats[:, nonfinite].tolist() == [0.0, 0.0, 1.0] and out.tolist() == [2.0, 0.0]  # made here
+    # an unscale point (to row 0): on CPU the gradient leaves as is and its inf is the layer's
+    out, stats = _through_rescale(arrived, [1.0, 4.0], (0,), (1,), unscale=True)
+    assert stats[:, nonfinite].tolist() == [0.0, 1.0] and out.tolist() == [0.25, float("inf")]
+    # what CUDA's kernel reports apart, an overflow the unscale made (a float16 parameter's gradient
+    # whose layer scale fell below 1), is the layer's too, not lost
+    def like_cuda(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False
+                  ) -> tuple[torch.Tensor, Measured]:
+        out, fstats, counts = scale_grad_reference(grad, factor, carried)
+        return out, Measured(fstats[0], fstats[1], fstats[2], counts[0] > 0, counts[3] > 0, counts[2].float())
+    monkeypatch.setattr(autoscale.ops, "scale_and_measure", like_cuda)
+    out, stats = _through_rescale(torch.tensor([1.0, 40000.0], dtype=torch.float16), [1.0, 0.5], (0,), (1,),
+                                  unscale=True)
+    assert stats[:, nonfinite].tolist() == [0.0, 1.0]
