@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autoscale.kernels.scale_grad import BLOCK, scale_grad_triton
 import autoscale.ops
+from autoscale.kernels.scale_grad import BLOCK, scale_grad_triton
 from autoscale.ops import NUM_STATS, STAT, Measured, rescale, scale_and_measure, scale_grad_reference
 
 SPECIAL = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 6.1e-5, 65504.0, -65504.0, 65519.0, 1e-3,
