@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,11 +23,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport, precision_report
+from autoscale.ops import watch
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
-from autoscale.passes.graph_utils import dtype_name, provenance
-from autoscale.passes.insert_grad_scaling import PREFIX_KEY, is_attach
-from autoscale.runtime import owner_of, state_of
+from autoscale.passes.graph_utils import PREFIX_KEY, dtype_name, is_attach, provenance
+from autoscale.passes.insert_overflow_checks import SITES_KEY
+from autoscale.runtime import ScaleState, owner_of, state_of
 
 __all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend", "reach_state", "rewrite_graph"]
 
@@ -124,7 +125,7 @@ def rewrite_graph(gm: GraphModule, example_inputs: Sequence[Any], config: Config
         calibrate(gm, example_inputs)
     passes = run_stage(gm, cfg, "dynamo", pipeline)
     _seed_scales(gm, example_inputs)
-    _register(gm, example_inputs)
+    _register(gm, example_inputs, cfg.overflow.threshold)
     report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
     record = CompileRecord(cfg, report, passes, _low_precision_parameters(gm, example_inputs))
     if record.low_precision_parameters:
@@ -190,7 +191,7 @@ def reach_state(gm: GraphModule, example_inputs: Sequence[Any]
     # the path of the scaler's model in this graph: where its parameter ``name`` sits
     path = _parameter_name(source)
     prefix = path.removesuffix(name).rstrip(".") if path.endswith(name) else ""
-    bound = [state.scales, state.stats_for_graph()]
+    bound = [state.scales, state.stats_for_graph(), state.peaks]
     fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
     graph = Graph()
     copies: dict[Node, Node] = {}
@@ -198,17 +199,18 @@ def reach_state(gm: GraphModule, example_inputs: Sequence[Any]
     for p in placeholders:  # AOTAutograd reads Dynamo's sources off the placeholders
         copies[p]._dynamo_source = getattr(p, "_dynamo_source", None)
     placeholders = [copies[p] for p in placeholders]
-    with graph.inserting_after(placeholders[-1] if placeholders else None):
-        scales = graph.placeholder("autoscale_scales")
-    with graph.inserting_after(scales):
-        stats = graph.placeholder("autoscale_graph_stats")
-    for p, tensor in zip((scales, stats), bound, strict=True):
+    added: list[Node] = []
+    for name in ("autoscale_scales", "autoscale_graph_stats", "autoscale_peaks"):
+        with graph.inserting_after(added[-1] if added else placeholders[-1] if placeholders else None):
+            added.append(graph.placeholder(name))
+    for p, tensor in zip(added, bound, strict=True):
         p.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode is not None else tensor
         p._dynamo_source = None  # (AOTAutograd asks; user code has none)
-    with graph.inserting_after(stats):
-        attach = graph.call_function(torch.ops.autoscale.attach.default, (scales, stats, state.layout, state.moments))
+    with graph.inserting_after(added[-1]):
+        attach = graph.call_function(torch.ops.autoscale.attach.default, (
+            *added, state.layout, state.moments, state.forward.promoted_key))
     attach.meta[PREFIX_KEY] = prefix
-    for node in (scales, stats, attach):
+    for node in (*added, attach):
         provenance(node, "reach_state", "the GradScaler's state, for a graph after a graph break", created=True)
     copy = GraphModule(gm, graph)
     copy.meta.update(gm.meta)
@@ -264,7 +266,7 @@ def _seed_scales(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
                 scales[row] = value
 
 
-def _register(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
+def _register(gm: GraphModule, example_inputs: Sequence[Any], threshold: float) -> None:
     """Tell the scaler's state that a graph serves it, and which inputs' gradients that graph checks
     for inf/nan, so that ``GradScaler.step`` does not make another pass over them."""
     index = gm.meta.get("autoscale_scales_input")
@@ -272,12 +274,37 @@ def _register(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
     if state is None:
         return
     state.graphs += 1
+    _register_sites(gm, state, threshold)
     if gm.meta.get("autoscale_scaling_needed", True):
         state.scaled_graphs += 1
         state.gradient_max = min(state.gradient_max, gm.meta.get("autoscale_gradient_max", state.gradient_max))
     for i in gm.meta.get("autoscale_checked_inputs", []):
         if isinstance(example_inputs[i], torch.Tensor):  # (a loaded converted module has no user inputs yet)
             state.checked[example_inputs[i]] = True
+
+
+def _register_sites(gm: GraphModule, state: ScaleState, threshold: float) -> None:
+    """Give the graph's forward overflow checks the state's slots for their sites (by key, so a
+    recompiled graph writes where the last one did); a check beyond the state's capacity goes."""
+    sites = gm.meta.get(SITES_KEY)
+    if not sites:
+        return
+    slots = [state.forward.register(site, threshold) for site in sites]
+    for node in list(gm.graph.find_nodes(op="call_function", target=watch)):
+        slot = slots[node.args[2]]
+        if slot is None:
+            gm.graph.erase_node(node)
+        else:
+            node.update_arg(2, slot)
+    # (upstream sites were numbered per graph too)
+    for site, slot in zip(sites, slots, strict=True):
+        if slot is not None:
+            upstream = tuple(s for u in site.upstream if (s := slots[u]) is not None)
+            state.forward.sites[slot] = replace(site, upstream=upstream)
+    if state.forward.unwatched:
+        log.warning("%d forward values are not watched for overflow: the scaler's %d slots are taken",
+                    state.forward.unwatched, state.forward.capacity)
+    gm.recompile()
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:

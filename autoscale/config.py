@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Config", "QuantConfig", "ScalingConfig", "recipe", "recipe_names"]
+__all__ = ["Config", "OverflowConfig", "QuantConfig", "ScalingConfig", "recipe", "recipe_names"]
 
 Compute = Literal["auto", "native", "emulate"]
 Executor = Literal["inductor", "eager"]
@@ -144,6 +144,44 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class OverflowConfig:
+    """Forward overflow: float16 values above 65504 (DESIGN.md §3.1, docs/forward_overflow.md).
+
+    The backend reads the compile-time settings, ``GradScaler`` the run-time ones (from the
+    ``Config`` it is given, or the defaults).
+
+    predict:   compile time. Keep in float32 every op whose predicted forward max (from the real
+               example inputs and parameters) exceeds ``threshold`` x 65504, with what must follow it.
+    watch:     compile time. Give every float16 value that can overflow (GEMM and convolution
+               outputs, elementwise results, casts into float16) a flag computed where it is
+               produced and reduced on the device; needs ``GradScaler`` in adaptive mode.
+    threshold: the fraction of float16's max above which a value counts as about to overflow: a
+               prediction above it keeps the op in float32, a measured max above it promotes the op
+               to float32 before it overflows (1.0: only once it has).
+    max_recompiles: run time. How many times ``GradScaler`` may promote ops after forward
+               overflows (one recompile each, all the sites found at one step together); past it,
+               overflowing steps are skipped and reported.
+    patience:  run time. Consecutive steps that are non-finite with nothing left to promote (a value
+               non-finite in float32 too: log(0), a bad batch) before ``GradScaler.update`` raises
+               ``NonFiniteForwardError``; each such step is skipped with a warning naming the node.
+    """
+
+    predict: bool = True
+    watch: bool = True
+    threshold: float = 0.5
+    max_recompiles: int = 4
+    patience: int = 3
+
+    def __post_init__(self) -> None:
+        owner = "OverflowConfig"
+        _flag(owner, "predict", self.predict)
+        _flag(owner, "watch", self.watch)
+        _real(owner, "threshold", self.threshold, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+        _count(owner, "max_recompiles", self.max_recompiles, 0)
+        _count(owner, "patience", self.patience, 1)
+
+
+@dataclass(frozen=True)
 class Config:
     """How autoscale rewrites a model.
 
@@ -157,6 +195,7 @@ class Config:
     allow, deny, infer, clear: extra op names for the precision tables (see
               ``autoscale.passes.op_tables``); an entry here overrides the built-in category.
     scaling:  gradient-scaling settings.
+    overflow: forward-overflow settings (prediction, run-time flags, repair).
     quant:    fake quantization of GEMM inputs and gradients (cyclic precision training), or None.
     float8:   round every GEMM's inputs to float8 E4M3 (per-tensor current scaling) and the gradient
               arriving at its output to E5M2 (after its layer's scale point), simulated; storage
@@ -175,6 +214,7 @@ class Config:
     infer: tuple[str, ...] = ()
     clear: tuple[str, ...] = ()
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    overflow: OverflowConfig = field(default_factory=OverflowConfig)
     quant: QuantConfig | None = None
     float8: bool = False
     verify: bool = False
@@ -207,6 +247,8 @@ class Config:
             object.__setattr__(self, category, tuple(ops))
         if not isinstance(self.scaling, ScalingConfig):
             raise ValueError(f"Config.scaling must be a ScalingConfig, got {type(self.scaling).__name__}")
+        if not isinstance(self.overflow, OverflowConfig):
+            raise ValueError(f"Config.overflow must be an OverflowConfig, got {type(self.overflow).__name__}")
 
     @functools.cached_property
     def op_overrides(self) -> Mapping[str, str]:

@@ -437,7 +437,7 @@ def save(converted: ConvertedModule, path: str | os.PathLike[str], *, extra: Map
         "modules": _dump_modules(converted.module, state),
         "state": None if state is None else {
             "layers": list(state.layers), "moments": state.moments, "scales": state.scales.detach().clone(),
-            "stats": state.stats.detach().clone()},
+            "stats": state.stats.detach().clone(), "forward": state.forward.dump()},
         "signature": _dump_signature(converted._signature),
         "record": converted.record,
         "extra": dict(extra or {}),
@@ -492,12 +492,15 @@ def load(path: str | os.PathLike[str]) -> ConvertedModule:
         with torch.no_grad():
             state.scales.copy_(saved_state["scales"])
             state.stats.copy_(saved_state["stats"])
+        # the watched sites in slot order (the graph's checks write those slots) and the promotions
+        state.forward.restore(saved_state.get("forward", {}))
     gm = _load_graph(payload["graph"])
     signature = _load_signature(payload["signature"])
     converted = ConvertedModule(module, gm, signature, record=payload["record"], extra=payload["extra"])
     # Tell the state that this graph serves it and which gradients the graph checks (as the
     # backend and convert do): GradScaler.step then skips those.
-    _register(gm, [converted._value(s, ()) if s[0] != "input" else None for s in signature.sources])
+    _register(gm, [converted._value(s, ()) if s[0] != "input" else None for s in signature.sources],
+              converted.config.overflow.threshold)
     return converted
 
 

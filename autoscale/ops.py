@@ -18,6 +18,9 @@ magnitudes at unit scale and needs no knowledge of the graph. ``scale_and_measur
 point's computation: the fused Triton kernel on CUDA, plain torch that Inductor fuses elsewhere.
 ``scale_grad_reference`` is the oracle both are tested against.
 
+``watch(x, peaks, slot)`` is the forward's overflow check: it folds ``max |x|`` into one slot of
+the scaler's ``peaks`` (``passes/insert_overflow_checks.py``).
+
 ``emulated(op, dtype, *args, **kwargs)`` is a low-precision op computed in float32: what
 ``Config(compute="emulate")`` turns every low-precision GEMM into (``passes/emulate_compute.py``).
 """
@@ -32,8 +35,9 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
-    "COUNTS", "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "NUM_STATS", "SCALE_RANGE", "STAT", "Measured", "attach", "emulated",
-    "gradient_max", "headroom", "rescale", "resolve", "scale_and_measure", "scale_grad_reference",
+    "COUNTS", "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "NUM_STATS", "PROMOTED_SEP", "SCALE_RANGE", "STAT", "Attached",
+    "Measured", "attach", "emulated", "gradient_max", "headroom", "rescale", "resolve", "scale_and_measure",
+    "scale_grad_reference", "watch",
 ]
 
 FP16_MAX = 65504.0
@@ -64,16 +68,48 @@ STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5,
 NUM_STATS = len(STAT)
 
 
-@torch.library.custom_op("autoscale::attach", mutates_args=("stats",))
-def attach(scales: torch.Tensor, stats: torch.Tensor, layout: str, moments: bool) -> None:
+@torch.library.custom_op("autoscale::attach", mutates_args=("stats", "watch"))
+def attach(scales: torch.Tensor, stats: torch.Tensor, watch: torch.Tensor, layout: str, moments: bool,
+           promoted: str) -> None:
     """Does nothing. ``GradScaler`` calls it at the top of the model's forward so that Dynamo lifts
     the state tensors into the graph as inputs; the backend finds it, reads ``layout`` (the layer
-    of each row) and ``moments`` (whether the scaler's rule needs Σ g and Σ g²) and removes it."""
+    of each row), ``moments`` (whether the scaler's rule needs Σ g and Σ g²) and ``promoted`` (the
+    forward-overflow sites learnt at run time, ``PROMOTED_SEP``-separated) and removes it. Dynamo
+    guards on the strings, so a new promotion recompiles the graph: that is how a repair lands."""
 
 
 @attach.register_fake
-def _(scales: torch.Tensor, stats: torch.Tensor, layout: str, moments: bool) -> None:
+def _(scales: torch.Tensor, stats: torch.Tensor, watch: torch.Tensor, layout: str, moments: bool,
+      promoted: str) -> None:
     return None
+
+
+class Attached(NamedTuple):
+    """``attach``'s arguments, by name (graph nodes for the tensors, constants for the rest)."""
+
+    scales: Any
+    stats: Any
+    watch: Any
+    layout: str
+    moments: bool
+    promoted: str
+
+
+PROMOTED_SEP = "\x1e"
+
+
+def watch(x: torch.Tensor, peaks: torch.Tensor, slot: int) -> None:
+    """Fold ``max |x|`` into ``peaks[slot]``: a forward overflow check, inserted after a float16 value.
+
+    NaN propagates through ``amax`` and ``maximum``, so one reduction tells all three things the
+    scaler asks: non-finite (inf or nan), near float16's max, and the measured peak. Written as a
+    plain in-place update of a graph input, so that Inductor fuses the reduction into the kernel
+    that produces ``x`` and functionalization writes the slot back at the end of the forward.
+    """
+    if x.numel() == 0:
+        return
+    peak = x.detach().abs().amax().float()
+    peaks[slot] = torch.maximum(peaks[slot], peak)
 
 
 COUNTS = ("arrived_nonfinite", "elements", "zeros", "made_nonfinite", "underflowed")

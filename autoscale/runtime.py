@@ -19,6 +19,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autoscale.ops import FP16_MAX, NUM_STATS, STAT
+from autoscale.overflow import ForwardSites
 
 __all__ = ["LOSS_ROW", "LAYOUT_SEP", "ScaleState", "announce_in_forward", "install_state", "owner_of", "state_of",
            "unwrap"]
@@ -27,7 +28,7 @@ LOSS_ROW = 0
 LAYOUT_SEP = "\x1f"
 _LOSS_NAME = "<loss>"
 _STATE_ATTR = "_autoscale_state"
-_SCALES, _STATS = "_autoscale_scales", "_autoscale_stats"
+_SCALES, _STATS, _PEAKS = "_autoscale_scales", "_autoscale_stats", "_autoscale_peaks"
 
 
 class ScaleState:
@@ -57,10 +58,15 @@ class ScaleState:
         scales = torch.ones(len(self.layers), device=device)  # the backend seeds layers from its analysis
         root.register_buffer(_SCALES, scales, persistent=False)
         root.register_buffer(_STATS, torch.zeros(len(self.layers), NUM_STATS, device=device), persistent=False)
+        # The forward's overflow checks: max |x| of each watched value this step, one slot per site
+        # (a fixed capacity: resizing a graph input would recompile). Sites beyond it go unwatched.
+        capacity = 8 * len(self.layers) + 256
+        root.register_buffer(_PEAKS, torch.zeros(capacity, device=device), persistent=False)
+        self.forward = ForwardSites(capacity, device)
         # Per rank, not broadcast by a DistributedDataParallel wrapped around root later: the
         # GradScaler reduces them across ranks itself, at the points where the ranks must agree.
         ignored = getattr(root, "_ddp_params_and_buffers_to_ignore", ())
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, [*ignored, _SCALES, _STATS])
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, [*ignored, _SCALES, _STATS, _PEAKS])
         _STATES[scales] = self
         for p in root.parameters():
             _OWNERS[p] = weakref.ref(self)
@@ -96,6 +102,10 @@ class ScaleState:
     @property
     def stats(self) -> torch.Tensor:
         return getattr(self.root, _STATS)
+
+    @property
+    def peaks(self) -> torch.Tensor:
+        return getattr(self.root, _PEAKS)
 
 
 _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # scales tensor -> its ScaleState
@@ -139,7 +149,8 @@ def install_state(model: nn.Module, *, moments: bool = False) -> ScaleState:
     state = ScaleState(root, [name for name, _ in root.named_modules()], moments=moments)
     object.__setattr__(root, _STATE_ATTR, state)  # a plain attribute, not a submodule
     announce_in_forward(root, lambda m: torch.ops.autoscale.attach(
-        getattr(m, _SCALES), getattr(m, _STATS), state.layout, state.moments))
+        getattr(m, _SCALES), getattr(m, _STATS), getattr(m, _PEAKS), state.layout, state.moments,
+        state.forward.promoted_key))
     return state
 
 

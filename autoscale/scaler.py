@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoscale.config import Config, ScalingConfig
+from autoscale.config import Config, OverflowConfig, ScalingConfig
 from autoscale.ops import FP16_MAX, SCALE_RANGE, STAT, headroom
+from autoscale.overflow import Diagnosis, NonFiniteForwardError, Promotion, describe, diagnose
 from autoscale.runtime import LOSS_ROW, ScaleState, install_state, unwrap
 
 __all__ = ["GradScaler", "LayerReport"]
@@ -55,13 +56,16 @@ class LayerReport:
 
     ``scale`` is the absolute scale its gradients carry after its scale point; ``zero_rate`` is the
     fraction of its weight-gradient entries that were exactly zero at the last update (underflows,
-    plus any structural zeros); ``overflows`` counts the updates at which it overflowed.
+    plus any structural zeros); ``overflows`` counts the updates at which its gradients overflowed;
+    ``float32_ops`` are its ops kept in float32 because of forward overflow (``linear#0: predicted``,
+    ``linear#0: promoted at step 12``).
     """
 
     name: str
     scale: float
     zero_rate: float
     overflows: int
+    float32_ops: tuple[str, ...] = ()
 
 
 class GradScaler:
@@ -80,6 +84,7 @@ class GradScaler:
         if not isinstance(cfg, ScalingConfig):
             raise ValueError(f"GradScaler config must be an autoscale.Config or ScalingConfig, got {type(config)}")
         self.config = cfg
+        self.overflow_config = config.overflow if isinstance(config, Config) else OverflowConfig()
         self._model = unwrap(model)
         device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
         self._state: ScaleState | None = (
@@ -100,6 +105,9 @@ class GradScaler:
         self._decided: bool | None = None  # this step's overflow flag, when step() synced for it
         # Whether scale() multiplies: adaptive mode's loss scale stays 1 unless update(new_scale) sets one.
         self._multiplies = cfg.mode not in ("none", "adaptive")
+        self._streak = 0  # consecutive steps non-finite with nothing left to promote
+        self._events: dict[str, Any] = {}  # this step's forward-overflow findings, for telemetry
+        self._pending: tuple[torch.Tensor, Any] | None = None  # (peaks on the host, CUDA event): read next update
 
     # ------------------------------------------------------------------ torch.amp interface
 
@@ -181,6 +189,7 @@ class GradScaler:
                 self._check_instrumented()
             self._collect()
             overflow = self._update_adaptive()
+            self._watch_forward(overflow)
         else:
             overflow = self._overflowed()
             self._skips += overflow
@@ -222,7 +231,8 @@ class GradScaler:
         }
         if self._state is not None:
             state.update(layers=list(self._state.layers), scales=self._state.scales.clone(),
-                         stats=self._state.stats.clone(), last_stats=self._last_stats.clone())  # type: ignore[union-attr]
+                         stats=self._state.stats.clone(), last_stats=self._last_stats.clone(),  # type: ignore[union-attr]
+                         forward=self._state.forward.state_dict())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -234,6 +244,8 @@ class GradScaler:
             self._state.scales.copy_(state["scales"])
             self._state.stats.copy_(state["stats"])
             self._last_stats.copy_(state["last_stats"])  # type: ignore[union-attr]
+            # promotions apply at the next forward: Dynamo's guard on them recompiles the graph
+            self._state.forward.load_state_dict(state.get("forward", {}))
         else:
             self._loss_scale.copy_(state["scale"])
         self._growth_tracker.copy_(state["growth_tracker"])
@@ -249,14 +261,27 @@ class GradScaler:
         if self._state is None:
             return []
         stats, scales, overflows = self._last_stats.cpu(), self._state.scales.cpu(), self._overflows.cpu()  # type: ignore[union-attr]
+        forward = self._state.forward
+        promoted: dict[str, list[str]] = {}
+        for site in forward.float32_sites():
+            learnt = forward.promoted.get(site.promotes)
+            op = site.key.rpartition(":")[2]
+            promoted.setdefault(site.layer, []).append(
+                f"{op}: promoted at step {learnt.step}" if learnt else f"{op}: predicted")
         reports = []
         for row, name in enumerate(self._state.layers):
-            if row == LOSS_ROW or (stats[row, STAT["count"]] == 0 and stats[row, STAT["numel"]] == 0):
+            has_stats = not (stats[row, STAT["count"]] == 0 and stats[row, STAT["numel"]] == 0)
+            if row == LOSS_ROW or not (has_stats or promoted.get(name)):
                 continue
             numel = float(stats[row, STAT["numel"]])
             zero_rate = float(stats[row, STAT["zeros"]]) / numel if numel else 0.0
-            reports.append(LayerReport(name or "(root)", float(scales[row]), zero_rate, int(overflows[row])))
+            reports.append(LayerReport(name or "(root)", float(scales[row]), zero_rate, int(overflows[row]),
+                                       tuple(promoted.get(name, ()))))
         return reports
+
+    def promotions(self) -> list[Promotion]:
+        """The ops promoted to float32 after a forward overflow, in the order they were."""
+        return list(self._state.forward.promoted.values()) if self._state is not None else []
 
     # --------------------------------------------------------------------------- internals
 
@@ -283,7 +308,8 @@ class GradScaler:
 
     def _agree(self) -> None:
         """Make every rank decide alike: one all-reduce (MAX) of this step's inf/nan flags, the
-        layers' largest gradients, and the negated scales (so every rank takes the smallest).
+        layers' largest gradients, the negated scales (so every rank takes the smallest) and the
+        forward's peaks.
 
         DDP all-reduces parameter gradients, but a compiled backward checks and measures its
         gradients before they reach DDP's hooks: an overflow on one rank would otherwise skip the
@@ -295,17 +321,20 @@ class GradScaler:
             return
         parts = [self._found_inf.view(1)]
         if self._state is not None:
-            stats = self._state.stats
-            parts += [stats[:, STAT["nonfinite"]], stats[:, STAT["amax"]], -self._state.scales]
+            stats, peaks = self._state.stats, self._state.peaks
+            # (the forward's peaks too, so that every rank promotes the same ops; nan as inf: MAX may drop nan)
+            parts += [stats[:, STAT["nonfinite"]], stats[:, STAT["amax"]], -self._state.scales,
+                      torch.nan_to_num(peaks, nan=math.inf)]
         packed = torch.cat(parts)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group)
         self._found_inf.copy_(packed[0])
         if self._state is not None:
             rows = len(self._state.layers)
-            flags, amax, neg_scales = packed[1:].view(3, rows)
+            flags, amax, neg_scales = packed[1:1 + 3 * rows].view(3, rows)
             stats[:, STAT["nonfinite"]] = flags
             stats[:, STAT["amax"]] = amax
             self._state.scales.copy_(-neg_scales)
+            peaks.copy_(packed[1 + 3 * rows:])
         self._agreed = True
 
     def _sum_stats(self) -> None:
@@ -358,10 +387,95 @@ class GradScaler:
             self._sum_stats()
         bound = self._paper_scales(self._state.stats) if due and cfg.rule == "paper" else None
         high = SCALE_RANGE[1] if cfg.scale_upper_bound is None else min(SCALE_RANGE[1], cfg.scale_upper_bound)
+        forward = self._state.forward
+        explained = forward.outputs_nonfinite(self._state.peaks) if forward.sites else None
         return adaptive_update(self._state.scales, self._state.stats, self._last_stats, self._overflows,
                                self._skips, self._found_inf, bound, due=due, backoff=cfg.backoff_factor,
                                growth=cfg.growth_factor, high=high,
-                               headroom=headroom(cfg.margin, self._state.gradient_max), known=self._decided)
+                               headroom=headroom(cfg.margin, self._state.gradient_max), known=self._decided,
+                               forward_nonfinite=explained)
+
+    # ------------------------------------------------------------------ forward overflow
+
+    def _watch_forward(self, overflow: torch.Tensor | bool) -> None:
+        """Read this step's forward peaks when they call for it, act on them, and clear them.
+
+        ``overflow`` is the step's skip flag. On CPU, and when ``step`` has already synced for it,
+        the peaks are read at once, and only when a peak is in alarm or the step was skipped (one
+        flag read otherwise). Otherwise (CUDA with a fused optimizer: no sync anywhere) they are
+        copied to the host without waiting and read at the next update: the skip itself is decided
+        on the device from the gradients; only the diagnosis and the repair come a step later.
+        """
+        assert self._state is not None
+        forward, peaks = self._state.forward, self._state.peaks
+        if not forward.sites:
+            return
+        if self._pending is not None and self._pending[1].query():
+            (host, _), self._pending = self._pending, None
+            self._act(host[:-1], skipped=bool(host[-1]), step=self._steps - 1)
+        look = forward.alarm(peaks) | (overflow > 0 if isinstance(overflow, torch.Tensor) else overflow)
+        if peaks.device.type == "cpu" or self._decided is not None:
+            if bool(look):
+                self._act(peaks.cpu(), skipped=bool(overflow), step=self._steps)
+            else:
+                self._streak = 0
+        elif self._pending is None:
+            host = torch.empty(len(peaks) + 1, pin_memory=True)
+            host.copy_(torch.cat([peaks, torch.as_tensor(overflow, device=peaks.device).float().view(1)]),
+                       non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (host, event)
+        peaks.zero_()
+
+    def _act(self, peaks: torch.Tensor, *, skipped: bool, step: int) -> None:
+        """Promote what overflowed or came near float16's max; on a skipped step, name what
+        promotion cannot help and raise if it persists (see ``OverflowConfig``)."""
+        assert self._state is not None
+        forward, cfg = self._state.forward, self.overflow_config
+        found = diagnose(forward.sites, peaks, forward.threshold, skipped=skipped)
+        wanted: dict[str, Promotion] = {}
+        for i in (*found.overflowed, *found.near):
+            key, why = forward.sites[i].promotes, "overflowed" if i in found.overflowed else "near float16's max"
+            wanted.setdefault(key, Promotion(key, step, found.peaks[i], why))
+        new = [p for key, p in wanted.items() if key not in forward.promoted]
+        added: list[Promotion] = []
+        if new and forward.recompiles < cfg.max_recompiles:
+            added = forward.promote(new)
+            forward.recompiles += 1
+            log.warning("forward overflow at step %d: %s; computing %s in float32 from the next step "
+                        "(recompile %d of at most %d)", step, self._sites(found, found.overflowed + found.near),
+                        ", ".join(p.key for p in added), forward.recompiles, cfg.max_recompiles)
+        self._events = {"promoted": [p.as_dict() for p in added],
+                        "overflowed": [forward.sites[i].key for i in found.overflowed],
+                        "float32_nonfinite": [forward.sites[i].key for i in found.float32]}
+        repaired = {p.key for p in added}
+        unrepaired = tuple(i for i in found.overflowed if forward.sites[i].promotes not in repaired)
+        if not skipped or not (found.float32 or unrepaired):
+            self._streak = 0  # a good step, a gradient overflow (the scales' business), or repaired now
+            return
+        self._streak += 1
+        if found.float32:
+            origins, why = found.float32, (
+                "computed in float32, so promoting cannot help: this is a model or data problem (log or division "
+                "of 0, sqrt of a negative, an inf/nan in the batch)")
+        elif all(forward.sites[i].promotes in forward.promoted for i in unrepaired):
+            origins, why = unrepaired, (
+                "already promoted, but this graph still computes it in float16: a graph after a graph break is "
+                "not recompiled for a promotion (compile the model without graph breaks), and a converted module "
+                "keeps its graph (run autoscale.convert again: it applies the scaler's promotions)")
+        else:
+            origins, why = unrepaired, f"not promoted: OverflowConfig.max_recompiles={cfg.max_recompiles} spent"
+        message = (f"the forward is non-finite at step {step}: {self._sites(found, origins)}; {why}. "
+                   f"The step was skipped ({self._streak} in a row)")
+        if self._streak >= cfg.patience:
+            raise NonFiniteForwardError(message + f"; stopping after OverflowConfig.patience={cfg.patience} such "
+                                        "steps rather than skipping forever")
+        log.warning("%s; GradScaler raises after %d in a row", message, cfg.patience)
+
+    def _sites(self, found: Diagnosis, slots: tuple[int, ...]) -> str:
+        assert self._state is not None
+        return "; ".join(describe(self._state.forward.sites[i], found.peaks[i]) for i in slots)
 
     def _paper_scales(self, stats: torch.Tensor) -> torch.Tensor:
         """The IJCAI 2020 rule per row: s_uf from the predicted spread of the layer's GEMM output,
@@ -387,8 +501,11 @@ class GradScaler:
 
     def _write_telemetry(self, overflow: torch.Tensor | bool) -> None:
         record = {"step": self._steps, "skipped": bool(overflow), "loss_scale": self.get_scale(),
-                  "layers": {r.name: {"scale": r.scale, "zero_rate": r.zero_rate, "overflows": r.overflows}
+                  "layers": {r.name: {"scale": r.scale, "zero_rate": r.zero_rate, "overflows": r.overflows,
+                                      **({"float32_ops": list(r.float32_ops)} if r.float32_ops else {})}
                              for r in self.layers()}}
+        if self._events:
+            record["forward"], self._events = self._events, {}
         assert self._telemetry is not None
         with self._telemetry.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -397,7 +514,8 @@ class GradScaler:
 def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch.Tensor, overflows: torch.Tensor,
                     skips: torch.Tensor, found_inf: torch.Tensor, bound: torch.Tensor | None, *, due: bool,
                     backoff: float, growth: float, high: float, headroom: float,
-                    known: bool | None = None) -> torch.Tensor | bool:
+                    known: bool | None = None, forward_nonfinite: torch.Tensor | None = None
+                    ) -> torch.Tensor | bool:
     """The adaptive mode's ``update()``, in place on the state tensors; returns the overflow flag.
 
     A row whose statistics saw inf/nan (``stats`` non-finite column) has its scale multiplied by
@@ -413,6 +531,10 @@ def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch
     it). False takes the common case's path: no row is flagged and nothing is counted, so it is
     half the ops, and each small eager op costs ~10 µs on CPU right after a backward (~0.25 ms for
     the full path there, against torch.amp's one fused op).
+
+    ``forward_nonfinite`` (a 0-dim bool, ``ForwardSites.outputs_nonfinite``) says that the forward
+    made a non-finite graph output this step: then the gradients' inf/nan is the forward's doing, not
+    a scale's, and no row backs off (the step is skipped all the same).
     """
     if known is False:
         if not due:  # (found_inf is 0 and no row is flagged: nothing changes)
@@ -424,6 +546,8 @@ def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch
         nonfinite = stats[:, STAT["nonfinite"]]
         flagged = nonfinite > 0
         overflow = (found_inf + nonfinite.sum()) > 0  # any flagged row, or found_inf
+        if forward_nonfinite is not None:
+            flagged = flagged & ~forward_nonfinite
         skips.add_(overflow)
         overflows.add_(flagged)
         new = torch.where(flagged, scales * backoff, scales)

@@ -13,7 +13,9 @@ from .emulate_compute import emulate_compute
 from .fold_casts import fold_casts
 from .insert_fake_quant import insert_fake_quant
 from .insert_grad_scaling import insert_grad_scaling
+from .insert_overflow_checks import insert_overflow_checks
 from .manager import InvariantError, PassRecord, PassResult, PassSpec, Stage, run_stage
+from .predict_overflow import predict_overflow
 from .remove_inplace import remove_inplace
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "fold_casts",
     "insert_fake_quant",
     "insert_grad_scaling",
+    "insert_overflow_checks",
+    "predict_overflow",
     "remove_inplace",
     "run_stage",
 ]
@@ -36,12 +40,14 @@ __all__ = [
 PIPELINE: tuple[PassSpec, ...] = (
     # Dynamo's torch-level graph, before autograd: what is computed in which dtype.
     PassSpec(remove_inplace, "dynamo"),
+    PassSpec(predict_overflow, "dynamo"),  # before painting: which values float16 cannot hold
     PassSpec(convert_precision, "dynamo"),
     PassSpec(analyze_underflow, "dynamo"),
     PassSpec(insert_grad_scaling, "dynamo"),
     PassSpec(insert_fake_quant, "dynamo"),  # after the scale points: gradients are scaled, then rounded
     PassSpec(fold_casts, "dynamo"),
-    PassSpec(emulate_compute, "dynamo"),  # last: the passes above see each op itself
+    PassSpec(emulate_compute, "dynamo"),  # the passes above see each op itself
+    PassSpec(insert_overflow_checks, "dynamo"),  # last: no other pass sees the checks as users of a value
     # AOTAutograd's joint forward+backward ATen graph, before partitioning.
     PassSpec(fold_casts, "joint"),
 )

@@ -44,11 +44,13 @@ from .manager import PassResult
 if TYPE_CHECKING:
     from autoscale.config import Config
 
-__all__ = ["Moments", "analyze_underflow", "calibrate", "predicted_underflow", "seed_inputs"]
+__all__ = ["VALUE_KEY", "Moments", "analyze_underflow", "calibrate", "clear_caches", "forward_moments",
+           "predicted_underflow", "seed_inputs"]
 
 PASS = "analyze_underflow"
 U_MIN = 2.0**-24
 SEED_KEY, MOMENTS_KEY, CALIBRATION_KEY = "autoscale_seed", "autoscale_moments", "autoscale_calibration"
+VALUE_KEY = "autoscale_value"
 
 
 class Moments(NamedTuple):
@@ -137,19 +139,36 @@ def analyze_underflow(gm: GraphModule, cfg: Config) -> PassResult:
     try:
         return _analyze(gm, cfg)
     finally:
-        _expect.cache_clear()
+        clear_caches()
+        for n in gm.graph.nodes:  # (the cache serves one pipeline run: a later one may see other inputs)
+            n.meta.pop(VALUE_KEY, None)
 
 
-def _analyze(gm: GraphModule, cfg: Config) -> PassResult:
-    nodes = list(gm.graph.nodes)
+def forward_moments(gm: GraphModule) -> dict[Node, Moments | None]:
+    """The predicted (or calibrated) moments of every node's value, propagated from the inputs.
+
+    Cached on the nodes (``VALUE_KEY``): ``predict_overflow`` computes them before the precision
+    pass and this pass reuses them, computing only the nodes added in between (casts, which keep
+    their source's moments). The moments are of the values as float32 computes them: a cast
+    changes none."""
     value: dict[Node, Moments | None] = {}
-    for n in nodes:
+    for n in gm.graph.nodes:
+        if VALUE_KEY in n.meta:
+            value[n] = n.meta[VALUE_KEY]
+            continue
         if _empty(n):
             value[n] = None
         elif measured := n.meta.get(CALIBRATION_KEY, {}).get("value"):
             value[n] = measured
         else:
             value[n] = n.meta.get(SEED_KEY) if n.op == "placeholder" else _unless_empty(_forward, n, value)
+        n.meta[VALUE_KEY] = value[n]
+    return value
+
+
+def _analyze(gm: GraphModule, cfg: Config) -> PassResult:
+    nodes = list(gm.graph.nodes)
+    value = forward_moments(gm)
     grad: dict[Node, list[Moments | None]] = {}
     for out in gm.graph.find_nodes(op="output"):
         for arg in out.all_input_nodes:
@@ -171,6 +190,11 @@ def _analyze(gm: GraphModule, cfg: Config) -> PassResult:
             for arg, ga in (_unless_empty(_backward, n, g, value) or {}).items():
                 grad.setdefault(arg, []).append(ga)
     return PassResult(gm, modified=False, counts={"nodes": len(nodes), "gradients_known": known})
+
+
+def clear_caches() -> None:
+    """Drop the expectations cached for one pass (``_expect``)."""
+    _expect.cache_clear()
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -297,6 +321,23 @@ def _gemm(x: Moments, w: Moments, k: float, n: float, bias: Moments | None = Non
     return Moments.gaussian(mean, var + mean**2, n)
 
 
+@functools.cache
+def _power(p: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x ** p as a function (cached: ``_expect`` caches by the function)."""
+    return functools.partial(torch.pow, exponent=p)
+
+
+def _elementwise(n: Node) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The function of a unary elementwise op of a Gaussian input (``_expect`` integrates it):
+    a table entry, or ``pow`` with an integer exponent (``x.pow(2)`` in an RMS norm)."""
+    name = op_name(n) or ""
+    if name in _UNARY:
+        return _UNARY[name]
+    if name == "pow" and len(n.args) > 1 and isinstance(n.args[1], int | float) and float(n.args[1]).is_integer():
+        return _power(float(n.args[1]))
+    return None
+
+
 def _forward(n: Node, value: dict[Node, Moments | None]) -> Moments | None:
     if n.op not in ("call_function", "call_method"):
         return None
@@ -307,13 +348,43 @@ def _forward(n: Node, value: dict[Node, Moments | None]) -> Moments | None:
     rule = _FORWARD.get(name)
     if rule is not None:
         return rule(n, value)
-    if name in _UNARY and n.args:
+    f = _elementwise(n)
+    if f is not None and n.args:
         m = _m(n.args[0], value)
         if m is None:
             return None
-        mean, ms, _ = _expect(_UNARY[name], m)
+        mean, ms, _ = _expect(f, m)
         return Moments.gaussian(mean, ms, _numel(n))
     return None
+
+
+_POSITIVE_POWERS = {"rsqrt": -0.5, "sqrt": 0.5, "reciprocal": -1.0}
+
+
+def _positive_power(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    """x ** p of a positive, concentrated x (a mean of squares plus eps in a norm): the delta
+    method. Unknown when x may come near 0 (within three spreads), where x ** p has no bound."""
+    x = _m(n.args[0], v)
+    p = _POSITIVE_POWERS[op_name(n) or ""]
+    if x is None or x.mean <= 0 or x.mean - 3 * x.std <= 0:
+        return None
+    mean = x.mean**p
+    var = (p * x.mean ** (p - 1) * x.std) ** 2
+    return Moments(mean, mean**2 + var, max((x.mean - 3 * x.std) ** p, (x.mean + 3 * x.std) ** p))
+
+
+def _constant(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    """A tensor filled with one value (``zeros``, ``ones``, ``full``, and their ``_like`` forms)."""
+    name = op_name(n) or ""
+    if "full" in name:
+        at = 2 if name == "new_full" else 1  # (size, fill) / (input, fill) / (self, size, fill)
+        fill = n.kwargs.get("fill_value", n.args[at] if len(n.args) > at else None)
+        if not isinstance(fill, int | float) or isinstance(fill, bool):
+            return None
+        c = float(fill)
+    else:
+        c = 1.0 if "ones" in name else 0.0
+    return Moments(c, c * c, abs(c))
 
 
 def _linear(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
@@ -356,11 +427,14 @@ def _binary(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
     return None
 
 
+# where a normalization op takes its affine weight and bias (rms_norm has no bias: index 5 is None)
+_NORM_ARGS = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4), "rms_norm": (2, 5)}
+
+
 def _normalize(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
-    """layer/batch/group norm: unit spread, then the affine weight and bias."""
-    name = op_name(n)
-    weight_at, bias_at = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4)}[name or ""]
-    args = list(n.args) + [None] * 5
+    """layer/batch/group/RMS norm: unit spread, then the affine weight and bias."""
+    weight_at, bias_at = _NORM_ARGS[op_name(n) or ""]
+    args = list(n.args) + [None] * 6
     w = _m(n.kwargs.get("weight", args[weight_at]), v)
     b = _m(n.kwargs.get("bias", args[bias_at]), v)
     w_ms = w.ms if w else 1.0
@@ -432,7 +506,10 @@ _FORWARD: dict[str, Callable[[Node, dict[Node, Moments | None]], Moments | None]
     "linear": _linear, "matmul": _matmul, "mm": _matmul, "bmm": _matmul,
     "conv1d": _conv, "conv2d": _conv, "conv3d": _conv,
     "add": _binary, "sub": _binary, "rsub": _binary, "mul": _binary, "div": _binary, "truediv": _binary,
-    "layer_norm": _normalize, "batch_norm": _normalize, "group_norm": _normalize,
+    "layer_norm": _normalize, "batch_norm": _normalize, "group_norm": _normalize, "rms_norm": _normalize,
+    **dict.fromkeys(_POSITIVE_POWERS, _positive_power),
+    **dict.fromkeys(("zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
+                     "new_full"), _constant),
     "softmax": _softmax, "scaled_dot_product_attention": _sdpa, "embedding": _embedding,
     "adaptive_avg_pool2d": _pool_mean, "avg_pool2d": _pool_mean, "mean": _reduce, "sum": _reduce,
     "cross_entropy": _cross_entropy, "cat": _cat, "concat": _cat,
@@ -468,8 +545,9 @@ def _backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, 
     rule = _BACKWARD.get(name)
     if rule is not None:
         return rule(n, g, v)
-    if name in _UNARY and isinstance(n.args[0], Node) and v.get(n.args[0]) is not None:
-        _, _, slope = _expect(_UNARY[name], v[n.args[0]])
+    f = _elementwise(n)
+    if f is not None and isinstance(n.args[0], Node) and v.get(n.args[0]) is not None:
+        _, _, slope = _expect(f, v[n.args[0]])
         return {n.args[0]: _grad(g.ms * slope, n.args[0])}
     # no rule: the inputs' gradients are unknown
     return {a: None for a in n.all_input_nodes if v.get(a) is not None or a.op == "placeholder"}
@@ -538,9 +616,8 @@ def _binary_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict
 
 
 def _normalize_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
-    name = op_name(n)
-    weight_at, bias_at = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4)}[name or ""]
-    args = list(n.args) + [None] * 5
+    weight_at, bias_at = _NORM_ARGS[op_name(n) or ""]
+    args = list(n.args) + [None] * 6
     x, w, b = args[0], n.kwargs.get("weight", args[weight_at]), n.kwargs.get("bias", args[bias_at])
     xm, wm = _m(x, v), _m(w, v)
     grads: dict[Node, Moments | None] = {}
@@ -618,6 +695,7 @@ _BACKWARD: dict[str, Callable[[Node, Moments, dict[Node, Moments | None]], dict[
     "add": _binary_backward, "sub": _binary_backward, "rsub": _binary_backward, "mul": _binary_backward,
     "div": _binary_backward, "truediv": _binary_backward,
     "layer_norm": _normalize_backward, "batch_norm": _normalize_backward, "group_norm": _normalize_backward,
+    "rms_norm": _normalize_backward,
     "softmax": _softmax_backward, "cross_entropy": _cross_entropy_backward, "mean": _reduce_backward,
     "sum": _reduce_backward, "adaptive_avg_pool2d": _pool_mean_backward, "avg_pool2d": _pool_mean_backward,
     "scaled_dot_product_attention": _sdpa_backward, "embedding": _embedding_backward,

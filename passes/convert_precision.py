@@ -12,6 +12,9 @@ Painting follows TensorFlow's auto-mixed-precision algorithm (DESIGN.md §3), ov
 4. the remaining clear ops connected to low-precision ops through clear ops become low precision
    (data movement is exact, and moving half the bytes is cheaper).
 
+Values ``predict_overflow`` marked as beyond float16's range (predicted, or promoted at run time)
+are float32 sources like deny ops, and so is every op that would read one in low precision.
+
 Then one cast is inserted per producer and dtype, shared by all consumers that need it. Parameters
 stay float32 (master weights) and are cast inside the graph, so autograd returns float32 gradients.
 Graph outputs keep their dtypes. Values mutated in place (which ``remove_inplace`` could not make
@@ -28,6 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from autoscale.overflow import OVERFLOW_REASON
+
 from .graph_utils import (
     dtype_name,
     float_dtype,
@@ -40,6 +45,7 @@ from .graph_utils import (
 )
 from .manager import PassResult
 from .op_tables import Category, category_of, deny_reason
+from .predict_overflow import FORWARD_KEY
 
 if TYPE_CHECKING:
     from autoscale.config import Config
@@ -64,7 +70,7 @@ def convert_precision(gm: GraphModule, cfg: Config) -> PassResult:
     """Paint the graph and insert casts (see the module docstring)."""
     graph = gm.graph
     pinned = mutated_aliases(graph)
-    paint = _paint(graph, cfg, pinned)
+    paint = _paint_in_range(graph, cfg, pinned)
     for node, decision in paint.items():
         dtype = cfg.dtype if decision.low else _orig_dtype(node)
         provenance(node, PASS, decision.reason, category=decision.category.value,
@@ -80,13 +86,34 @@ def convert_precision(gm: GraphModule, cfg: Config) -> PassResult:
 # ----------------------------------------------------------------------------------- painting
 
 
-def _paint(graph: Graph, cfg: Config, pinned: set[Node]) -> dict[Node, _Paint]:
+# ops that stay in float32 (or the model's dtype) whatever their neighbours: the reports give their own reason
+_FLOAT32_ANYWAY = (Category.DENY, Category.UNKNOWN, Category.FIXED)
+
+
+def _paint_in_range(graph: Graph, cfg: Config, pinned: set[Node]) -> dict[Node, _Paint]:
+    """Paint, keeping in float32 the values ``predict_overflow`` marked as beyond float16's range
+    and every op that would read one of them in low precision (a cast into float16 would make it
+    inf). Keeping a reader in float32 can make its neighbours float32 in turn, so this repaints
+    until no low-precision op reads a marked value; the forced set only grows, so it ends."""
+    big = {n for n in graph.nodes if FORWARD_KEY in n.meta}
+    forced = {n: str(n.meta[FORWARD_KEY]) for n in big}
+    while True:
+        paint = _paint(graph, cfg, pinned, forced)
+        readers = {n: f"{OVERFLOW_REASON}: reads {a.name}, which float16 cannot hold"
+                   for n, d in paint.items() if d.low for a in n.all_input_nodes if a in big}
+        if not readers:
+            return paint
+        forced.update(readers)
+
+
+def _paint(graph: Graph, cfg: Config, pinned: set[Node], forced: dict[Node, str]) -> dict[Node, _Paint]:
     nodes = list(graph.nodes)
     low_name = dtype_name(cfg.dtype)
     category = {n: _category(n, cfg) for n in nodes if n.op in _CALLS and _floating(n)}
-    paintable = {n for n in category if n not in pinned and _orig_dtype(n) == _FP32}
+    paintable = {n for n in category if n not in pinned and n not in forced and _orig_dtype(n) == _FP32}
     allow = {n for n in paintable if category[n] is Category.ALLOW}
-    deny_src = {n for n in paintable if category[n] in (Category.DENY, Category.UNKNOWN, Category.FIXED)}
+    deny_src = {n for n in paintable if category[n] in _FLOAT32_ANYWAY}
+    deny_src |= forced.keys() & category.keys()
     flow = {n for n in paintable if category[n] in (Category.INFER, Category.CLEAR)}
 
     # 2. float32 spreads forward from deny ops through infer/clear ops that lead to deny/infer ops.
@@ -135,6 +162,8 @@ def _paint(graph: Graph, cfg: Config, pinned: set[Node]) -> dict[Node, _Paint]:
             paint[n] = _Paint(True, c, f"between {low_name} ops")
         elif n in connected:
             paint[n] = _Paint(True, c, f"data movement next to {low_name} ops")
+        elif n in forced and c not in _FLOAT32_ANYWAY:
+            paint[n] = _Paint(False, c, forced[n])
         else:
             paint[n] = _Paint(False, c, _keep_reason(n, c, pinned, origin, low_name))
     return paint

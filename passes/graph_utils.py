@@ -13,21 +13,26 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 
-from autoscale.ops import emulated, resolve
+from autoscale.ops import Attached, emulated, resolve
 
 from .op_tables import FIXED, VIEWS
 
 __all__ = [
+    "KEY",
     "MAY_ALIAS",
+    "PREFIX_KEY",
     "PROVENANCE_KEY",
+    "attach_of",
     "cast_of",
     "dtype_name",
     "float_dtype",
     "insert_cast",
+    "is_attach",
     "is_inplace",
     "layer_of",
     "mutated_aliases",
     "new_node",
+    "node_keys",
     "op_name",
     "provenance",
     "redirect_uses",
@@ -38,6 +43,11 @@ __all__ = [
 ]
 
 PROVENANCE_KEY = "autoscale"
+KEY = "autoscale_key"
+"""A node's name that every compile of the same model gives the same node (``node_keys``)."""
+# On an ``attach`` node the backend added (a graph after a graph break): the path of the scaler's
+# model in the graph's module paths (where the forward's own ``attach`` has its module stack).
+PREFIX_KEY = "autoscale_prefix"
 
 # Ops whose result may share storage with their first argument.
 MAY_ALIAS = VIEWS | FIXED
@@ -287,3 +297,38 @@ def insert_cast(graph: Graph, src: Node, dtype: torch.dtype, *, before: Node, li
         if key in like.meta:
             cast.meta[key] = like.meta[key]
     return cast
+
+
+def is_attach(n: Node) -> bool:
+    """Whether ``n`` is the scaler state's marker op (``autoscale::attach``)."""
+    return n.op == "call_function" and n.target in (torch.ops.autoscale.attach, torch.ops.autoscale.attach.default)
+
+
+def attach_of(graph: Graph) -> tuple[Node, Attached, str] | None:
+    """The graph's ``attach`` node, its arguments by name, and the path of the scaler's model in
+    the graph's module paths ("" when the model was compiled directly); None without a scaler."""
+    node = next((n for n in graph.nodes if is_attach(n)), None)
+    if node is None:
+        return None
+    return node, Attached(*node.args), node.meta.get(PREFIX_KEY, layer_of(node))
+
+
+def node_keys(graph: Graph, prefix: str = "") -> dict[Node, str]:
+    """A stable name per input and op: ``<module path>:<op>#<k>``, the k-th such op of that module in
+    graph order (module paths relative to ``prefix``, the scaler's model), ``input:<name>`` for a
+    placeholder. Dynamo traces the same model to the same graph, so a key learnt in one compile
+    names the same node in the next, in a resumed run and in ``autoscale diff``."""
+    counts: dict[tuple[str, str], int] = {}
+    keys: dict[Node, str] = {}
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            keys[n] = f"input:{n.name}"
+        elif n.op in ("call_function", "call_method", "call_module"):
+            layer = layer_of(n)
+            if prefix:
+                layer = "" if layer == prefix else layer.removeprefix(prefix + ".")
+            op = op_name(n) or str(n.target)
+            k = counts.get((layer, op), 0)
+            counts[layer, op] = k + 1
+            keys[n] = f"{layer}:{op}#{k}"
+    return keys

@@ -34,6 +34,7 @@ from autoscale.runtime import LAYOUT_SEP, LOSS_ROW
 from .analyze_underflow import MOMENTS_KEY
 from .graph_utils import (
     PROVENANCE_KEY,
+    attach_of,
     cast_of,
     dtype_name,
     float_dtype,
@@ -51,12 +52,9 @@ from .op_tables import Category, category_of
 if TYPE_CHECKING:
     from autoscale.config import Config
 
-__all__ = ["PREFIX_KEY", "ScalePoint", "insert_grad_scaling", "is_attach", "scale_points"]
+__all__ = ["ScalePoint", "insert_grad_scaling", "scale_points"]
 
 PASS = "insert_grad_scaling"
-# On an ``attach`` node the backend added (a graph after a graph break): the path of the scaler's
-# model in the graph's module paths (where the forward's own ``attach`` has its module stack).
-PREFIX_KEY = "autoscale_prefix"
 Rows = frozenset[int]
 
 
@@ -65,10 +63,10 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     if cfg.scaling.mode != "adaptive":
         return PassResult(gm, modified=False)
     graph = gm.graph
-    attach = next((n for n in graph.nodes if is_attach(n)), None)
-    if attach is None:  # no GradScaler state in this graph: nothing to scale with
+    found = attach_of(graph)
+    if found is None:  # no GradScaler state in this graph: nothing to scale with
         return PassResult(gm, modified=False, counts={"scale_points": 0})
-    scales, stats, layout, moments = attach.args
+    attach, (scales, stats, _, layout, moments, _), prefix = found
     gm.meta["autoscale_scales_input"] = list(graph.find_nodes(op="placeholder")).index(scales)
     if cfg.dtype == torch.bfloat16 and not cfg.float8:
         # bfloat16 has float32's exponent range: a gradient float32 keeps does not underflow in it
@@ -79,7 +77,6 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     gm.meta["autoscale_scaling_needed"] = True
     gm.meta["autoscale_gradient_max"] = gradient_max(cfg.float8)
     layers = str(layout).split(LAYOUT_SEP)
-    prefix = attach.meta.get(PREFIX_KEY, layer_of(attach))
     state = _State(graph, scales, stats, layers, prefix=prefix, moments=bool(moments))
     state.requires = requires_grad_map(graph)
     points = scale_points(graph, cfg, state.requires)
@@ -277,7 +274,3 @@ class _State:
             redirect_uses(p, point)
             unscaled.append(index)
         return unscaled
-
-
-def is_attach(n: Node) -> bool:
-    return n.op == "call_function" and n.target in (torch.ops.autoscale.attach, torch.ops.autoscale.attach.default)

@@ -1,0 +1,41 @@
+"""The graph diff's entry point, :func:`diff`: check the arguments, capture the graphs, align them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoscale.config import Config
+from autoscale.diff.align import assemble
+from autoscale.diff.capture import capture_graphs
+from autoscale.diff.model import GraphDiff
+
+__all__ = ["diff"]
+
+
+def diff(model: nn.Module, example_inputs: tuple[Any, ...], *, config: Config | None = None) -> GraphDiff:
+    """Run autoscale's pipeline on ``model`` for ``example_inputs`` (a tuple of positional
+    arguments) and return what it changed in the forward and backward graphs.
+
+    The model is deep-copied first, so its parameters, buffers and any scaler state stay as they
+    are; the copy runs one forward (Dynamo has to execute a frame to capture it).
+    """
+    if config is not None and not isinstance(config, Config):
+        raise ValueError(f"diff config must be an autoscale.Config, got {type(config).__name__}")
+    if not isinstance(example_inputs, tuple | list):
+        raise ValueError("example_inputs must be a tuple of the model's positional arguments, "
+                         f"got {type(example_inputs).__name__} (write (x,) for one input)")
+    cfg = (config or Config()).resolved(_device_of(example_inputs))
+    return assemble(capture_graphs(model, example_inputs, cfg), cfg)
+
+
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    """Where the inputs live (the first tensor's device, else the CPU): ``compute="auto"`` resolves
+    for that device, as the backend resolves it for the graph's."""
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")

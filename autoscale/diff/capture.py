@@ -1,0 +1,243 @@
+"""Capture for a graph diff: the model's graphs before and after autoscale's pipeline, forward and backward.
+
+:func:`capture_graphs` compiles a private deep copy of the model with a Dynamo backend that, for
+each graph it is handed, keeps a copy of the graph as captured, runs the pipeline exactly as
+``autoscale.backend`` does (seeding, calibration, ``run_stage``), and runs AOTAutograd on both
+graphs (the joint-stage passes on the rewritten one) to get the backward graphs. Each pass is
+wrapped only to observe what it erased: a folded cast leaves no trace in the graph afterwards.
+The user's model is never touched, and the backend hands Dynamo the unrewritten graph to run.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+
+from autoscale.backend import reach_state
+from autoscale.config import Config
+from autoscale.inspect import PrecisionReport, format_graph, precision_report
+from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
+from autoscale.passes.analyze_underflow import calibrate, seed_inputs
+from autoscale.passes.graph_utils import PROVENANCE_KEY, attach_of, cast_of, dtype_name
+from autoscale.passes.insert_grad_scaling import ScalePoint, insert_grad_scaling, scale_points
+from autoscale.runtime import _SCALES, _STATE_ATTR, _STATS, LAYOUT_SEP, ScaleState, install_state, unwrap
+
+__all__ = ["CapturedGraph", "capture_graphs", "node_lines"]
+
+
+def capture_graphs(model: nn.Module, example_inputs: Sequence[Any], cfg: Config) -> list[CapturedGraph]:
+    """What the pipeline saw and did for each of ``model``'s graphs (one per graph break), captured
+    from a private copy of ``model`` that runs one forward (Dynamo has to execute a frame to
+    capture it)."""
+    subject = _private_copy(model, cfg)
+    capture = _Capture(cfg)
+    with torch.enable_grad():
+        torch.compile(subject, backend=capture)(*example_inputs)
+    if not capture.graphs:
+        raise RuntimeError("Dynamo handed no graph to autoscale.diff: the model's forward was not compiled "
+                           "(a cached graph, or a recompile limit reached); call torch._dynamo.reset() and retry")
+    return capture.graphs
+
+
+def _fresh_forward(module: nn.Module) -> None:
+    """Give ``module`` (the private copy) a forward with a code object of its own.
+
+    Dynamo keeps compiled graphs per code object. Through the shared one (the class's forward, or
+    the scaler's forward wrapper, common to every model with a scaler), each diff (a new backend)
+    would add an entry until the recompile limit stops compiling, and clearing that cache would
+    drop the user's own compiled code too. A fresh code object starts with an empty cache and
+    takes it along when it is freed. The function is otherwise the same, so Dynamo names the
+    graph's modules exactly as the backend sees them.
+    """
+    forward = vars(module).get("forward")
+    if isinstance(forward, types.FunctionType):  # the scaler's wrapper (an instance attribute)
+        vars(module)["forward"] = _recoded(forward)
+    elif isinstance(method := getattr(type(module), "forward", None), types.FunctionType):
+        vars(module)["forward"] = types.MethodType(_recoded(method), module)
+
+
+def _recoded(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` with a new (equal) code object."""
+    recoded = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    recoded.__kwdefaults__ = fn.__kwdefaults__
+    recoded.__qualname__ = fn.__qualname__
+    recoded.__dict__.update(fn.__dict__)  # functools.wraps' __wrapped__ and the like
+    return recoded
+
+
+def _private_copy(model: nn.Module, cfg: Config) -> nn.Module:
+    """A deep copy of the user's module to capture. Installed scaler state is left out of the copy
+    (its forward wrapper is a closure over the original model) and installed afresh when the
+    config scales adaptively: the scale points need the scaler's state to be placed."""
+    root = unwrap(model)
+    state = getattr(root, _STATE_ATTR, None)
+    memo: dict[int, Any] = {id(state): None} if state is not None else {}
+    clone = copy.deepcopy(root, memo)
+    moments = cfg.scaling.rule == "paper"
+    if isinstance(state, ScaleState):
+        moments |= state.moments
+        vars(clone).pop(_STATE_ATTR, None)
+        vars(clone).pop("forward", None)
+        for name in (_SCALES, _STATS):
+            clone._buffers.pop(name, None)
+    if cfg.scaling.mode == "adaptive":
+        install_state(clone, moments=moments)
+    _fresh_forward(clone)
+    return clone
+
+
+@dataclass
+class _Erased:
+    name: str
+    text: str
+    pass_name: str
+    created_by: str | None
+    cast: bool
+    side: Literal["forward", "backward"] | None
+
+
+@dataclass
+class _Observer:
+    """Wraps each pass of the pipeline to record, without changing what it does, the nodes it
+    erased (a folded cast leaves no trace in the graph afterwards) and, before
+    ``insert_grad_scaling``, the scale point candidates and the state's row layout."""
+
+    erased: list[_Erased] = field(default_factory=list)
+    candidates: list[ScalePoint] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
+
+    def pipeline(self, pipeline: Sequence[PassSpec]) -> tuple[PassSpec, ...]:
+        return tuple(PassSpec(self._observed(spec.fn), spec.stage) for spec in pipeline)
+
+    def _observed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)  # keeps the name: PassRecord.name stays the pass's
+        def observed(gm: GraphModule, cfg: Config) -> Any:
+            lines = node_lines(gm)
+            casts = {n for n in lines if cast_of(n) is not None}  # (an erased node has lost its args)
+            if fn is insert_grad_scaling:
+                self._before_scaling(gm, cfg)
+            result = fn(gm, cfg)
+            alive = set(gm.graph.nodes)
+            for node, text in lines.items():
+                if node not in alive:
+                    prov = node.meta.get(PROVENANCE_KEY) or {}
+                    tag = node.meta.get("partitioner_tag")
+                    side: Literal["forward", "backward"] | None = (
+                        "forward" if tag == "is_forward" else "backward" if tag == "is_backward" else None)
+                    self.erased.append(_Erased(node.name, text, fn.__name__,
+                                               prov.get("pass") if prov.get("created") else None,
+                                               node in casts, side))
+            return result
+
+        return observed
+
+    def _before_scaling(self, gm: GraphModule, cfg: Config) -> None:
+        found = attach_of(gm.graph)
+        if found is not None:
+            self.layers = found[1].layout.split(LAYOUT_SEP)
+        self.candidates = scale_points(gm.graph, cfg)
+
+
+@dataclass
+class _Autograd:
+    """AOTAutograd's joint graph (after the joint stage, if any) and its two partitions."""
+
+    joint: GraphModule
+    forward: GraphModule
+    backward: GraphModule
+
+
+@dataclass
+class CapturedGraph:
+    """Everything captured for one Dynamo graph: what ``autoscale.diff.align`` builds the diff from."""
+
+    index: int
+    before: GraphModule
+    after: GraphModule
+    records: list[PassRecord]
+    report: PrecisionReport
+    dynamo: _Observer
+    joint: _Observer
+    autograd_before: _Autograd | None
+    autograd_after: _Autograd | None
+
+
+class _Capture:
+    """A Dynamo backend that runs the pipeline on each graph it is handed and keeps what it saw.
+    It returns the unrewritten graph to run: the capture's forward computes what eager would."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.graphs: list[CapturedGraph] = []
+
+    def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        cfg = self.cfg
+        before, before_inputs = _copy(gm), example_inputs
+        if cfg.scaling.mode == "adaptive" and (reached := reach_state(gm, example_inputs)):
+            gm, bound = reached  # (a graph after a graph break, scaled as the backend scales it)
+            example_inputs = [*example_inputs, *bound]
+        seed_inputs(gm, example_inputs)
+        if cfg.scaling.calibrate:
+            calibrate(gm, example_inputs)
+        dynamo = _Observer()
+        records = run_stage(gm, cfg, "dynamo", dynamo.pipeline(PIPELINE))
+        report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
+        joint = _Observer()
+        joint_pipeline = joint.pipeline(PIPELINE)
+
+        def joint_stage(g: GraphModule) -> None:
+            records.extend(run_stage(g, cfg, "joint", joint_pipeline))
+
+        # The backward graphs. (AOTAutograd traces a copy of the captured graph: ``before`` stays
+        # the graph Dynamo runs and the record of the lines before.)
+        autograd_before = _autograd(_copy(before), before_inputs, None)
+        autograd_after = _autograd(gm, example_inputs, joint_stage)
+        self.graphs.append(CapturedGraph(len(self.graphs), before, gm, records, report, dynamo, joint,
+                                         autograd_before, autograd_after))
+        return before.forward
+
+
+def _copy(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` with the same node names and shallow copies of their meta, so the passes'
+    rewrites of the original (and of its nodes' meta entries) do not show through."""
+    graph = Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return GraphModule(gm, graph)
+
+
+def _autograd(gm: GraphModule, example_inputs: Sequence[Any],
+              joint_stage: Callable[[GraphModule], None] | None) -> _Autograd | None:
+    """Trace ``gm``'s joint graph as the eager executor does (AOTAutograd, the joint stage in the
+    partitioner, min-cut partitioning) and keep the partitions. None when nothing needs a gradient
+    (AOTAutograd then makes an inference graph and never partitions)."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    got: list[_Autograd] = []
+
+    def partition(joint: GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[GraphModule, GraphModule]:
+        if joint_stage is not None:
+            joint_stage(joint)
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        got.append(_Autograd(joint, fw, bw))
+        return fw, bw
+
+    compiler = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
+                            keep_inference_input_mutations=True)
+    compiler(gm, list(example_inputs))
+    return got[0] if got else None
+
+
+def node_lines(gm: GraphModule, *, provenance: bool = True) -> dict[Node, str]:
+    """Each node's line of ``format_graph`` (one line per node; reprs escape newlines)."""
+    return dict(zip(gm.graph.nodes, format_graph(gm, provenance=provenance).split("\n"), strict=False))

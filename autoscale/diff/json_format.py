@@ -1,0 +1,88 @@
+"""The JSON rendering of a graph diff, and its schema.
+
+``render_json`` turns a :class:`~autoscale.diff.model.GraphDiff` into plain dicts and lists that
+validate against ``schema.json`` next to this module (package data, read by :func:`schema`), so
+tools can read a diff without importing autoscale. ``SCHEMA_VERSION`` says which document it is.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autoscale.diff.model import GraphDiff, GraphSection, NodeEntry, Provenance, ScaleInfo
+    from autoscale.inspect import Island
+
+__all__ = ["SCHEMA_VERSION", "render_json", "schema"]
+
+SCHEMA_VERSION = 2
+"""Version of the JSON document ``GraphDiff.to_json`` returns; bumped on any incompatible change."""
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of ``GraphDiff.to_json``'s document."""
+    text = resources.files("autoscale.diff").joinpath("schema.json").read_text(encoding="utf-8")
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
+
+
+def _json_provenance(p: Provenance | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    return {"pass": p.pass_name, "layer": p.layer, "reason": p.reason, "created": p.created,
+            "precision": p.precision, "derived_from": p.derived_from}
+
+
+def _json_scale(s: ScaleInfo) -> dict[str, Any]:
+    return {"node": s.node, "graph": s.graph, "kind": s.kind, "layer": s.layer, "row": s.row,
+            "out_rows": list(s.out_rows), "in_rows": list(s.in_rows), "record_rows": list(s.record_rows),
+            "underflow": s.underflow, "amax": s.amax, "scale": s.scale, "arriving_scale": s.arriving_scale,
+            "reason": s.reason, "backward_nodes": s.backward_nodes}
+
+
+def _json_entry(e: NodeEntry) -> dict[str, Any]:
+    return {"graph": e.graph, "name": e.name, "before_name": e.before_name, "status": e.status, "kind": e.kind,
+            "op": e.op, "before": e.before, "after": e.after, "dtype_before": e.dtype_before,
+            "dtype_after": e.dtype_after, "layer": e.layer, "provenance": _json_provenance(e.provenance),
+            "underflow": e.underflow, "scale": e.scale.node if e.scale is not None else None,
+            "scale_op": e.scale_op}
+
+
+def _json_section(section: GraphSection) -> dict[str, Any]:
+    return {
+        "entries": [_json_entry(e) for e in section.entries],
+        "counts": {k: section.count(k) for k in ("unchanged", "changed", "inserted", "removed")},
+        "folded": [{"graph": f.graph, "name": f.name, "text": f.text, "stage": f.stage, "created_by": f.created_by,
+                    "side": f.side} for f in section.folded],
+    }
+
+
+def _json_island(i: Island) -> dict[str, Any]:
+    return {"op": i.op, "reason": i.reason, "nodes": list(i.nodes)}
+
+
+def render_json(d: GraphDiff, *, backward_only: bool) -> dict[str, Any]:
+    """``GraphDiff.to_json``'s document: the diff's fields under the schema's names, with scale
+    points referred to by node name in the entries (their numbers are in ``scale_ops``)."""
+    s = d.summary
+    doc: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "summary": {
+            "text": str(s), "dtype": s.dtype, "compute": s.compute, "graphs": s.graphs,
+            "converted": s.converted, "total": s.total, "casts": s.casts, "emulated_ops": s.emulated_ops,
+            "casts_folded": s.casts_folded, "backward_casts": s.backward_casts, "scale_points": s.scale_points,
+            "unscale_points": s.unscale_points, "align_points": s.align_points,
+            "max_underflow": s.max_underflow, "max_underflow_node": s.max_underflow_node,
+            "max_underflow_layer": s.max_underflow_layer,
+            "islands": [_json_island(i) for i in s.islands], "unknown_ops": list(s.unknown_ops),
+            "passes": [{"graph": p.graph, "stage": p.stage, "name": p.name, "modified": p.modified,
+                        "counts": dict(p.counts)} for p in s.passes],
+        },
+        "scale_ops": [_json_scale(i) for i in d.scale_ops],
+        "backward": _json_section(d.backward),
+    }
+    if not backward_only:
+        doc["forward"] = _json_section(d.forward)
+    return doc

@@ -1,0 +1,230 @@
+"""The data model of a graph diff: frozen dataclasses that say, node by node, what the pipeline changed.
+
+These are what users of :func:`autoscale.diff.diff` get and read; ``autoscale.diff.align`` builds
+them from the captured graphs. They hold plain values (no FX nodes or modules), so a diff outlives
+the graphs it was made from. Rendering is the format modules' job: :class:`GraphDiff`'s ``to_*``
+methods, the public way to render, hand the diff to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from autoscale.diff.html_format import render_html
+from autoscale.diff.json_format import render_json
+from autoscale.diff.notes import rate_text
+from autoscale.diff.text_format import render_text
+from autoscale.inspect import Island
+
+__all__ = [
+    "DiffSummary",
+    "FoldedCast",
+    "GraphDiff",
+    "GraphSection",
+    "Kind",
+    "NodeEntry",
+    "PassCount",
+    "Provenance",
+    "ScaleInfo",
+    "ScaleKind",
+    "Status",
+]
+
+Status = Literal["unchanged", "changed", "inserted", "removed"]
+Kind = Literal["input", "output", "op", "emulated", "cast", "scale", "unscale", "align", "scale_op"]
+ScaleKind = Literal["scale", "unscale", "align"]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Which pass made or decided a node, for which layer, and why (``node.meta["autoscale"]``).
+
+    ``created``: the pass inserted the node. ``precision``: the dtype the precision pass painted an
+    existing op. ``derived_from``: for a backward node, the forward (Dynamo) node whose gradient it
+    computes, when that node carries the provenance.
+    """
+
+    pass_name: str
+    layer: str
+    reason: str
+    created: bool = False
+    precision: str | None = None
+    derived_from: str | None = None
+
+
+@dataclass(frozen=True)
+class ScaleInfo:
+    """One gradient rescale point (``autoscale.ops.rescale``) and what the analysis predicts for it.
+
+    ``kind``: "scale" (a scale point: the gradient leaves it carrying its layer's scale), "unscale"
+    (a parameter's gradient brought back to the loss scale) or "align" (branches with different
+    scales aligned where they merge). ``row``: the row of the scaler's state it sets (the only one of
+    ``out_rows``). ``underflow``: the predicted float16 underflow rate of the gradients it governs
+    at scale 1 (the worst one; 1.0 where the analysis could not predict one). ``amax``: their
+    predicted largest magnitude. ``scale``/``arriving_scale``: the initial scales (the first step's)
+    of ``out_rows``/``in_rows``, so the gradient is multiplied by ``scale / arriving_scale``.
+    ``backward_nodes``: how many ATen nodes its backward became.
+    """
+
+    node: str
+    graph: int
+    kind: ScaleKind
+    layer: str
+    row: int | None
+    out_rows: tuple[int, ...]
+    in_rows: tuple[int, ...]
+    record_rows: tuple[int, ...]
+    underflow: float | None
+    amax: float | None
+    scale: float
+    arriving_scale: float
+    reason: str
+    backward_nodes: int = 0
+
+
+@dataclass(frozen=True)
+class NodeEntry:
+    """One node of the diff: a node before paired with the node after (either may be absent).
+
+    ``before``/``after`` are the nodes' lines as ``autoscale.inspect.format_graph`` prints them.
+    ``underflow`` is the analysis' predicted float16 underflow rate of the node's gradient at
+    scale 1 (forward nodes). ``scale`` is set on forward rescale nodes; ``scale_op`` names the
+    forward rescale node a backward node belongs to.
+    """
+
+    graph: int
+    name: str
+    before_name: str | None
+    status: Status
+    kind: Kind
+    op: str
+    before: str | None
+    after: str | None
+    dtype_before: str | None
+    dtype_after: str | None
+    layer: str
+    provenance: Provenance | None
+    underflow: float | None = None
+    scale: ScaleInfo | None = None
+    scale_op: str | None = None
+
+
+@dataclass(frozen=True)
+class FoldedCast:
+    """A cast ``fold_casts`` erased. ``created_by`` is the pass that had inserted it (None: the
+    model's own cast, which then also shows as a removed node). ``side`` is the half of the joint
+    graph it was in (joint stage only)."""
+
+    graph: int
+    name: str
+    text: str
+    stage: Literal["dynamo", "joint"]
+    created_by: str | None
+    side: Literal["forward", "backward"] | None = None
+
+
+@dataclass(frozen=True)
+class GraphSection:
+    """The forward (Dynamo graph, before and after the dynamo stage) or the backward (AOTAutograd's
+    backward graph of the unrewritten and of the rewritten forward) part of a diff."""
+
+    name: Literal["forward", "backward"]
+    entries: tuple[NodeEntry, ...]
+    folded: tuple[FoldedCast, ...] = ()
+    islands: tuple[Island, ...] = ()
+
+    def count(self, status: Status, kind: Kind | None = None) -> int:
+        """Entries with ``status`` (and ``kind``, if given)."""
+        return sum(1 for e in self.entries if e.status == status and (kind is None or e.kind == kind))
+
+    def graphs(self) -> list[int]:
+        """The graph indices present in this section, in order."""
+        return sorted({e.graph for e in self.entries})
+
+
+@dataclass(frozen=True)
+class PassCount:
+    """What one pass reported for one graph (``PassRecord`` without its timing)."""
+
+    graph: int
+    stage: Literal["dynamo", "joint"]
+    name: str
+    modified: bool
+    counts: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class DiffSummary:
+    """The headline numbers, summed over the model's graphs (one per graph break).
+
+    ``converted``/``total``/``casts``/``islands``/``unknown_ops``: the precision report
+    (``autoscale.inspect.precision_report``). ``emulated_ops``: ops computed in float32 from
+    low-precision inputs (``compute="emulate"``).
+    ``casts_folded``: casts ``fold_casts`` erased (both stages). ``backward_casts``: casts the
+    backward graph gained outside the rescale points. ``scale_points``/``unscale_points``/
+    ``align_points``: the rescale nodes ``insert_grad_scaling`` inserted. ``max_underflow``: the
+    worst predicted float16 underflow rate (at scale 1) among the gradients a scale point could
+    govern (placed or not), ``max_underflow_node`` the node a point there would follow and
+    ``max_underflow_layer`` its module.
+    """
+
+    dtype: str
+    compute: str
+    graphs: int
+    converted: int
+    total: int
+    casts: int
+    emulated_ops: int
+    casts_folded: int
+    backward_casts: int
+    scale_points: int
+    unscale_points: int
+    align_points: int
+    max_underflow: float | None
+    max_underflow_node: str | None
+    max_underflow_layer: str | None
+    islands: tuple[Island, ...]
+    unknown_ops: tuple[str, ...]
+    passes: tuple[PassCount, ...]
+
+    def __str__(self) -> str:
+        text = (f"converted {self.converted} of {self.total} nodes to {self.dtype}, {self.casts} casts, "
+                f"{self.scale_points} scale points")
+        if self.max_underflow is not None:
+            where = (f"in layer {self.max_underflow_layer}" if self.max_underflow_layer
+                     else f"at node {self.max_underflow_node}")
+            text += f" (predicted max underflow {rate_text(self.max_underflow)} {where})"
+        return text
+
+
+@dataclass(frozen=True)
+class GraphDiff:
+    """What the pipeline changed, node by node, in the forward and the backward graphs."""
+
+    forward: GraphSection
+    backward: GraphSection
+    summary: DiffSummary
+    scale_ops: tuple[ScaleInfo, ...] = field(default=())
+
+    def to_text(self, *, color: bool = False, backward_only: bool = False, expand_scale_ops: bool = False) -> str:
+        """A unified diff of the readable graphs, with provenance annotations.
+
+        ANSI colours only with ``color`` (the CLI passes ``sys.stdout.isatty()``). The ATen nodes
+        of each rescale point's backward are one line unless ``expand_scale_ops``: a point is ~50
+        nodes, which would drown the rest of the backward.
+        """
+        return render_text(self, color=color, backward_only=backward_only, expand=expand_scale_ops)
+
+    def to_json(self, *, backward_only: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict that validates against ``autoscale/diff/schema.json`` (see :func:`schema`)."""
+        return render_json(self, backward_only=backward_only)
+
+    def to_html(self, *, backward_only: bool = False) -> str:
+        """One self-contained HTML page (inline CSS and JS, no network): before and after side by
+        side, inserted casts and rescale points highlighted, the numbers on hover and in tables."""
+        return render_html(self, backward_only=backward_only)
+
+    def __str__(self) -> str:
+        return str(self.summary)

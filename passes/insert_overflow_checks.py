@@ -1,0 +1,131 @@
+"""Watch the forward for overflow at run time: a ``watch`` after every value that can overflow.
+
+What the analysis cannot predict — weights that grow during training, an unusual batch — shows at
+run time. This pass puts ``autoscale.ops.watch(x, peaks, slot)`` after
+
+* every float16 GEMM/convolution output and every float16 elementwise result (allow and infer
+  ops: the ops that make new magnitudes; data movement only moves them, and a masked fill with
+  -inf is not an overflow);
+* every cast of a float32 value into float16 (the rounding itself can overflow: a float32
+  residual stream cast for the next GEMM, an unnormalized input), but a parameter's (a weight
+  that grows overflows the GEMM it feeds first, which is watched). The check reads the float32
+  source, so it sees the magnitude the cast loses;
+* every op kept in float32 because of forward overflow, every float32 deny op (exp, log, norms,
+  softmax, losses: where float32 itself turns finite inputs into inf/nan) and the graph's float
+  outputs, so that a value non-finite in float32 too is named, not promoted forever.
+
+``watch`` folds ``max |x|`` into the slot: Inductor fuses the reduction into the kernel that
+produces ``x``, and the scaler reads the peaks after the step (``autoscale.overflow``). Slots are
+numbered per graph here; the backend maps them to the scaler state's slots by each site's key.
+The sites, with their keys, predictions and nearest watched sites upstream (to tell an overflow
+from its consequences), go to ``gm.meta[SITES_KEY]``. Runs only for float16, with
+``Config.overflow.watch`` and a ``GradScaler`` (whose ``attach`` ``predict_overflow`` found); it
+removes nothing. It is the last pass of the Dynamo stage, so that no other pass sees a check as a
+reader of the value it watches (a GEMM read only by its cast stays one scale point).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.utils import _pytree as pytree
+
+from autoscale.ops import watch
+from autoscale.overflow import CAST_SUFFIX, OVERFLOW_REASON, Site, SiteKind
+
+from .analyze_underflow import MOMENTS_KEY
+from .graph_utils import (
+    KEY,
+    PROVENANCE_KEY,
+    cast_of,
+    dtype_name,
+    float_dtype,
+    layer_of,
+    new_node,
+    op_name,
+    provenance,
+    tensor_val,
+)
+from .manager import PassResult
+from .op_tables import Category, category_of
+from .predict_overflow import PEAKS_INPUT_KEY
+
+if TYPE_CHECKING:
+    from autoscale.config import Config
+
+__all__ = ["SITES_KEY", "insert_overflow_checks"]
+
+PASS = "insert_overflow_checks"
+SITES_KEY = "autoscale_sites"
+_GROWS = (Category.ALLOW, Category.INFER)
+
+
+def insert_overflow_checks(gm: GraphModule, cfg: Config) -> PassResult:
+    """Insert a ``watch`` after every value that can overflow (see the module docstring)."""
+    graph = gm.graph
+    index = gm.meta.get(PEAKS_INPUT_KEY)
+    if index is None or not cfg.overflow.watch or cfg.dtype != torch.float16:
+        return PassResult(gm, modified=False, counts={"sites": 0})
+    peaks = list(graph.find_nodes(op="placeholder"))[index]
+    (output,) = graph.find_nodes(op="output")
+    outputs = {a for a in pytree.tree_leaves(output.args) if isinstance(a, Node)}
+    sites: list[Site] = []
+    nearest: dict[Node, frozenset[int]] = {}  # node -> the nearest watched sites it is computed from
+    for n in list(graph.nodes):
+        if n.op == "output":
+            break
+        upstream = frozenset().union(*(nearest.get(a, frozenset()) for a in n.all_input_nodes))
+        found = _site(n, cfg, n in outputs)
+        if found is None:
+            nearest[n] = upstream
+            continue
+        key, kind, reason, watched = found
+        moments = watched.meta.get(MOMENTS_KEY, {}).get("value")
+        slot = len(sites)
+        sites.append(Site(key, layer_of(watched), op_name(watched) or str(watched.target), kind,
+                          moments.amax if moments is not None else None, reason, tuple(sorted(upstream)),
+                          output=n in outputs))
+        with graph.inserting_after(n):
+            check = new_node(graph, "call_function", watch, (watched, peaks, slot))
+        for meta in ("nn_module_stack", "stack_trace"):
+            if meta in n.meta:
+                check.meta[meta] = n.meta[meta]
+        check.meta["val"] = None
+        provenance(check, PASS, f"overflow check of {watched.name} ({reason})", created=True)
+        nearest[n] = frozenset({slot})
+    gm.meta[SITES_KEY] = sites
+    return PassResult(gm, modified=bool(sites), counts={
+        "sites": len(sites), **{kind: sum(s.kind == kind for s in sites) for kind in ("float16", "cast", "float32")}})
+
+
+def _site(n: Node, cfg: Config, is_output: bool) -> tuple[str, SiteKind, str, Node] | None:
+    """``(key, kind, why it is watched, the node whose value is watched)`` if ``n`` is a site."""
+    if n.op not in ("call_function", "call_method") or float_dtype(n) is None:
+        return None
+    if not isinstance(n.meta.get("val"), torch.Tensor):
+        return None
+    cast = cast_of(n)
+    if cast is not None and n.meta.get(PROVENANCE_KEY, {}).get("pass") == "convert_precision":
+        source, dtype = cast
+        parameter = source.op == "placeholder" and getattr(tensor_val(source), "requires_grad", False)
+        if dtype == cfg.dtype and float_dtype(source) == torch.float32 and KEY in source.meta and not parameter:
+            return source.meta[KEY] + CAST_SUFFIX, "cast", f"cast into {dtype_name(dtype)}", source
+        if is_output and dtype == torch.float32 and KEY in source.meta:  # a float16 result handed back in float32
+            return source.meta[KEY] + "@output", "float32", "graph output", n
+        return None
+    key = n.meta.get(KEY)
+    if key is None:
+        return None
+    category = category_of(op_name(n) or "", cfg.op_overrides)
+    if float_dtype(n) == cfg.dtype:
+        return (key, "float16", f"{category.value} op in {dtype_name(cfg.dtype)}", n) if category in _GROWS else None
+    reason = n.meta.get(PROVENANCE_KEY, {}).get("reason", "")
+    if reason.startswith(OVERFLOW_REASON):  # kept in float32 by convert_precision, for forward overflow
+        return key, "float32", reason, n
+    if category is Category.DENY:
+        return key, "float32", "float32 deny op", n
+    if is_output:
+        return key, "float32", "graph output", n
+    return None
