@@ -13,10 +13,11 @@ Importing this package is cheap: it does not import triton, Inductor or initiali
 from __future__ import annotations
 
 from autoscale.backend import Backend, CompileRecord, backend
-from autoscale.config import Config, QuantConfig, ScalingConfig, recipe, recipe_names
+from autoscale.config import Config, OverflowConfig, QuantConfig, ScalingConfig, recipe, recipe_names
 from autoscale.convert import ConvertedFileError, ConvertedModule, convert, load, save
 from autoscale.diff import GraphDiff, diff
 from autoscale.inspect import PrecisionReport
+from autoscale.overflow import NonFiniteForwardError
 from autoscale.quant import FakeQuant
 from autoscale.scaler import GradScaler, LayerReport
 
@@ -30,6 +31,8 @@ __all__ = [
     "GradScaler",
     "GraphDiff",
     "LayerReport",
+    "NonFiniteForwardError",
+    "OverflowConfig",
     "PrecisionReport",
     "QuantConfig",
     "ScalingConfig",

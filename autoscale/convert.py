@@ -48,8 +48,8 @@ from torch.fx.node import _get_qualified_name, map_aggregate
 from autoscale.backend import CompileRecord, _register, rewrite_graph
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport
-from autoscale.ops import resolve
-from autoscale.passes.graph_utils import PROVENANCE_KEY
+from autoscale.ops import Attached, resolve
+from autoscale.passes.graph_utils import PROVENANCE_KEY, attach_of, copy_graph_module
 from autoscale.runtime import ScaleState, install_state, unwrap
 
 __all__ = [
@@ -157,13 +157,20 @@ class ConvertedModule(nn.Module):
     extra: dict[str, Any]
 
     def __init__(self, module: nn.Module, graph_module: GraphModule, signature: _Signature, *,
-                 record: CompileRecord, extra: Mapping[str, Any] | None = None) -> None:
+                 record: CompileRecord, extra: Mapping[str, Any] | None = None,
+                 source: GraphModule | None = None) -> None:
         super().__init__()
         self.module = module
         object.__setattr__(self, "graph_module", graph_module)  # a plain attribute: not a submodule
         object.__setattr__(self, "record", record)
         object.__setattr__(self, "extra", dict(extra or {}))
         self._signature = signature
+        # The captured graph before the passes, to rewrite again when the scaler promotes ops after a
+        # forward overflow (None after ``load``: the saved graph is the rewritten one), and the
+        # promotions the current graph was rewritten with.
+        object.__setattr__(self, "_source", source)
+        state = _state(module)
+        self._promoted = state.forward.promoted_key if state is not None else ""
 
     @property
     def _orig_mod(self) -> nn.Module:
@@ -188,8 +195,27 @@ class ConvertedModule(nn.Module):
         leaves, spec = pytree.tree_flatten(args)
         self._check(leaves, spec)
         inputs = [self._value(source, leaves) for source in sig.sources]
+        self._follow_promotions(inputs)
         outputs = self.graph_module(*inputs)
         return pytree.tree_unflatten([self._value(o, leaves, outputs) for o in sig.out_leaves], sig.out_spec)
+
+    def _follow_promotions(self, inputs: Sequence[Any]) -> None:
+        """Rewrite the graph again, from the captured one, when the scaler has promoted ops to
+        float32 since it was rewritten (a forward overflow): the converted module's recompile. A
+        loaded module has no captured graph and keeps its graph (the scaler then says to convert
+        the model again, which applies the promotions)."""
+        state = _state(self.module)
+        if state is None or self._source is None or state.forward.promoted_key == self._promoted:
+            return
+        gm = copy_graph_module(self._source)
+        found = attach_of(gm.graph)
+        if found is not None:  # (the capture recorded the promotions of its time)
+            found[0].update_arg(Attached._fields.index("promoted"), state.forward.promoted_key)
+        record = rewrite_graph(gm, inputs, self.config)
+        object.__setattr__(self, "graph_module", gm)
+        object.__setattr__(self, "record", record)
+        self._promoted = state.forward.promoted_key
+        log.info("converted %s again for the ops promoted to float32: %s", type(self.module).__name__, record.report)
 
     def _value(self, source: Source, leaves: Sequence[Any], outputs: Sequence[Any] = ()) -> Any:
         kind, where = source
@@ -280,6 +306,7 @@ def convert(model: nn.Module, example_inputs: tuple[Any, ...], *, config: Config
     sources, constants = _map_inputs(model, leaves, graph_inputs)
     out_leaves, out_spec = pytree.tree_flatten(user_output)
     outputs = tuple(_map_output(model, leaf, leaves, graph_outputs) for leaf in out_leaves)
+    source = copy_graph_module(gm)
     record = rewrite_graph(gm, graph_inputs, cfg)
     log.info("converted %s: %s", type(model).__name__, record.report)
     if record.report.unknown_ops:
@@ -288,7 +315,7 @@ def convert(model: nn.Module, example_inputs: tuple[Any, ...], *, config: Config
     in_leaves = tuple(("tensor", tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else ("value", x)
                       for x in leaves)
     signature = _Signature(in_spec, in_leaves, sources, tuple(constants), out_spec, outputs, model.training)
-    return ConvertedModule(model, gm, signature, record=record)
+    return ConvertedModule(model, gm, signature, record=record, source=source)
 
 
 def _capture(model: nn.Module, args: tuple[Any, ...]) -> tuple[GraphModule, list[Any], Any, tuple[Any, ...]]:

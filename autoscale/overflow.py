@@ -63,7 +63,8 @@ class Site:
     ``key`` names it (see the module docstring), ``kind`` says what its peak means (ibid.),
     ``predicted`` is the analysis' max |x| (None: unknown), ``reason`` why it is watched,
     ``upstream`` the slots of the nearest watched sites it is computed from (to tell an overflow
-    from its consequences), ``output`` whether it is a graph output.
+    from its consequences), ``output`` whether it is a graph output, ``where`` the line of the
+    model's code that computes it (for messages).
     """
 
     key: str
@@ -74,6 +75,7 @@ class Site:
     reason: str
     upstream: tuple[int, ...] = ()
     output: bool = False
+    where: str = ""
 
     @property
     def promotes(self) -> str:
@@ -90,7 +92,8 @@ class Site:
 
     def near(self, peak: float, threshold: float) -> bool:
         """Whether a float16 value came above ``threshold`` x 65504 and stayed finite."""
-        return self.kind != "float32" and threshold * FP16_MAX < peak <= (FP16_MAX if self.kind == "cast" else math.inf)
+        limit = FP16_MAX if self.kind == "cast" else math.inf  # (a cast source above 65504 became inf)
+        return self.kind != "float32" and threshold * FP16_MAX < peak < math.inf and peak <= limit
 
 
 @dataclass(frozen=True)
@@ -248,9 +251,10 @@ def diagnose(sites: Sequence[Site], peaks: torch.Tensor, threshold: float, *, sk
 
 
 def describe(site: Site, peak: float) -> str:
-    """``encoder.block.0.layer.1.DenseReluDense.wo (linear, float16): inf``, for messages."""
+    """``encoder.0.ff.wo (linear, float16): inf [models.py:81: return self.wo(...)]``, for messages."""
     seen = "nan" if math.isnan(peak) else "inf" if math.isinf(peak) else f"max |x| {peak:.3g}"
-    return f"{site.layer or '(root)'} ({site.op}, {site.precision}): {seen}"
+    where = f" [{site.where}]" if site.where else ""
+    return f"{site.layer or '(root)'} ({site.op}, {site.precision}): {seen}{where}"
 
 
 def _jsonable(x: float) -> float | str:

@@ -86,17 +86,17 @@ def convert_precision(gm: GraphModule, cfg: Config) -> PassResult:
 # ----------------------------------------------------------------------------------- painting
 
 
-# ops that stay in float32 (or the model's dtype) whatever their neighbours: the reports give their own reason
-_FLOAT32_ANYWAY = (Category.DENY, Category.UNKNOWN, Category.FIXED)
-
-
 def _paint_in_range(graph: Graph, cfg: Config, pinned: set[Node]) -> dict[Node, _Paint]:
     """Paint, keeping in float32 the values ``predict_overflow`` marked as beyond float16's range
     and every op that would read one of them in low precision (a cast into float16 would make it
     inf). Keeping a reader in float32 can make its neighbours float32 in turn, so this repaints
     until no low-precision op reads a marked value; the forced set only grows, so it ends."""
     big = {n for n in graph.nodes if FORWARD_KEY in n.meta}
-    forced = {n: str(n.meta[FORWARD_KEY]) for n in big}
+    if not big:
+        return _paint(graph, cfg, pinned, {})
+    # (a marked value that is float32 anyway, a norm's statistics, keeps its own reason)
+    free = _paint(graph, cfg, pinned, {})
+    forced = {n: str(n.meta[FORWARD_KEY]) for n in big if n in free and free[n].low}
     while True:
         paint = _paint(graph, cfg, pinned, forced)
         readers = {n: f"{OVERFLOW_REASON}: reads {a.name}, which float16 cannot hold"
@@ -112,7 +112,7 @@ def _paint(graph: Graph, cfg: Config, pinned: set[Node], forced: dict[Node, str]
     category = {n: _category(n, cfg) for n in nodes if n.op in _CALLS and _floating(n)}
     paintable = {n for n in category if n not in pinned and n not in forced and _orig_dtype(n) == _FP32}
     allow = {n for n in paintable if category[n] is Category.ALLOW}
-    deny_src = {n for n in paintable if category[n] in _FLOAT32_ANYWAY}
+    deny_src = {n for n in paintable if category[n] in (Category.DENY, Category.UNKNOWN, Category.FIXED)}
     deny_src |= forced.keys() & category.keys()
     flow = {n for n in paintable if category[n] in (Category.INFER, Category.CLEAR)}
 
@@ -162,7 +162,7 @@ def _paint(graph: Graph, cfg: Config, pinned: set[Node], forced: dict[Node, str]
             paint[n] = _Paint(True, c, f"between {low_name} ops")
         elif n in connected:
             paint[n] = _Paint(True, c, f"data movement next to {low_name} ops")
-        elif n in forced and c not in _FLOAT32_ANYWAY:
+        elif n in forced:
             paint[n] = _Paint(False, c, forced[n])
         else:
             paint[n] = _Paint(False, c, _keep_reason(n, c, pinned, origin, low_name))

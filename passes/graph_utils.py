@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import os
 import re
 from collections.abc import Callable
 from functools import lru_cache, partial
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx import Graph, Node
+from torch.fx import Graph, GraphModule, Node
 
 from autoscale.ops import Attached, emulated, resolve
 
@@ -24,6 +25,8 @@ __all__ = [
     "PROVENANCE_KEY",
     "attach_of",
     "cast_of",
+    "copy_graph_module",
+    "source_line",
     "dtype_name",
     "float_dtype",
     "insert_cast",
@@ -332,3 +335,22 @@ def node_keys(graph: Graph, prefix: str = "") -> dict[Node, str]:
             counts[layer, op] = k + 1
             keys[n] = f"{layer}:{op}#{k}"
     return keys
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` with the same node names and shallow copies of their meta, so that the
+    passes' rewrites of the copy (and of its nodes' meta entries) do not show through in ``gm``:
+    the graph before the passes, kept to diff against or to rewrite again."""
+    graph = Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return GraphModule(gm, graph)
+
+
+def source_line(n: Node) -> str:
+    """Where the model's code made ``n``: ``models.py:163: h = torch.log(F.relu(self.fc(x)))`` (the
+    innermost frame of Dynamo's stack trace), or "" when the node has none."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)', n.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f"{os.path.basename(path)}:{line}: {code.strip()}"

@@ -46,6 +46,7 @@ from .graph_utils import (
     new_node,
     op_name,
     provenance,
+    source_line,
     tensor_val,
 )
 from .manager import PassResult
@@ -59,6 +60,7 @@ __all__ = ["SITES_KEY", "insert_overflow_checks"]
 
 PASS = "insert_overflow_checks"
 SITES_KEY = "autoscale_sites"
+OUTPUT_SUFFIX = "@output"
 _GROWS = (Category.ALLOW, Category.INFER)
 
 
@@ -81,12 +83,12 @@ def insert_overflow_checks(gm: GraphModule, cfg: Config) -> PassResult:
         if found is None:
             nearest[n] = upstream
             continue
-        key, kind, reason, watched = found
-        moments = watched.meta.get(MOMENTS_KEY, {}).get("value")
+        key, kind, reason, watched, named = found
+        moments = named.meta.get(MOMENTS_KEY, {}).get("value")
         slot = len(sites)
-        sites.append(Site(key, layer_of(watched), op_name(watched) or str(watched.target), kind,
+        sites.append(Site(key, layer_of(named), op_name(named) or str(named.target), kind,
                           moments.amax if moments is not None else None, reason, tuple(sorted(upstream)),
-                          output=n in outputs))
+                          output=n in outputs, where=source_line(named)))
         with graph.inserting_after(n):
             check = new_node(graph, "call_function", watch, (watched, peaks, slot))
         for meta in ("nn_module_stack", "stack_trace"):
@@ -100,8 +102,9 @@ def insert_overflow_checks(gm: GraphModule, cfg: Config) -> PassResult:
         "sites": len(sites), **{kind: sum(s.kind == kind for s in sites) for kind in ("float16", "cast", "float32")}})
 
 
-def _site(n: Node, cfg: Config, is_output: bool) -> tuple[str, SiteKind, str, Node] | None:
-    """``(key, kind, why it is watched, the node whose value is watched)`` if ``n`` is a site."""
+def _site(n: Node, cfg: Config, is_output: bool) -> tuple[str, SiteKind, str, Node, Node] | None:
+    """``(key, kind, why it is watched, the node whose value is watched, the node that names it in
+    reports)`` if ``n`` is a site."""
     if n.op not in ("call_function", "call_method") or float_dtype(n) is None:
         return None
     if not isinstance(n.meta.get("val"), torch.Tensor):
@@ -111,21 +114,29 @@ def _site(n: Node, cfg: Config, is_output: bool) -> tuple[str, SiteKind, str, No
         source, dtype = cast
         parameter = source.op == "placeholder" and getattr(tensor_val(source), "requires_grad", False)
         if dtype == cfg.dtype and float_dtype(source) == torch.float32 and KEY in source.meta and not parameter:
-            return source.meta[KEY] + CAST_SUFFIX, "cast", f"cast into {dtype_name(dtype)}", source
-        if is_output and dtype == torch.float32 and KEY in source.meta:  # a float16 result handed back in float32
-            return source.meta[KEY] + "@output", "float32", "graph output", n
-        return None
+            return source.meta[KEY] + CAST_SUFFIX, "cast", f"cast into {dtype_name(dtype)}", source, source
+    if is_output and float_dtype(n) != cfg.dtype and (keyed := _keyed(n)) is not None:
+        # an output in float32: where a non-finite value reaches the loss, whatever computed it
+        return keyed.meta[KEY] + OUTPUT_SUFFIX, "float32", "graph output", n, keyed
     key = n.meta.get(KEY)
-    if key is None:
+    if key is None or cast is not None:
         return None
     category = category_of(op_name(n) or "", cfg.op_overrides)
     if float_dtype(n) == cfg.dtype:
-        return (key, "float16", f"{category.value} op in {dtype_name(cfg.dtype)}", n) if category in _GROWS else None
+        return (key, "float16", f"{category.value} op in {dtype_name(cfg.dtype)}", n, n) if category in _GROWS else None
     reason = n.meta.get(PROVENANCE_KEY, {}).get("reason", "")
     if reason.startswith(OVERFLOW_REASON):  # kept in float32 by convert_precision, for forward overflow
-        return key, "float32", reason, n
+        return key, "float32", reason, n, n
     if category is Category.DENY:
-        return key, "float32", "float32 deny op", n
-    if is_output:
-        return key, "float32", "graph output", n
+        return key, "float32", "float32 deny op", n, n
     return None
+
+
+def _keyed(n: Node) -> Node | None:
+    """``n``, or the value it passes on unchanged (a cast, a rescale point: nodes the passes made,
+    which have no key), whichever has a key."""
+    while KEY not in n.meta:
+        if not n.args or not isinstance(n.args[0], Node):
+            return None
+        n = n.args[0]
+    return n

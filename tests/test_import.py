@@ -24,9 +24,9 @@ def test_import_is_lean() -> None:
 def test_public_api() -> None:
     import autoscale
 
-    assert set(autoscale.__all__) == {"Backend", "CompileRecord", "Config", "ConvertedFileError", "ConvertedModule",
-                                      "FakeQuant", "GradScaler", "GraphDiff", "LayerReport", "PrecisionReport",
-                                      "QuantConfig", "ScalingConfig", "backend", "convert", "diff", "load", "recipe",
-                                      "recipe_names", "save"}
+    assert set(autoscale.__all__) == {
+        "Backend", "CompileRecord", "Config", "ConvertedFileError", "ConvertedModule", "FakeQuant", "GradScaler",
+        "GraphDiff", "LayerReport", "NonFiniteForwardError", "OverflowConfig", "PrecisionReport", "QuantConfig",
+        "ScalingConfig", "backend", "convert", "diff", "load", "recipe", "recipe_names", "save"}
     for name in autoscale.__all__:
         assert getattr(autoscale, name).__doc__
