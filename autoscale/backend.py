@@ -285,8 +285,10 @@ def _register(gm: GraphModule, example_inputs: Sequence[Any], threshold: float) 
 
 def _register_sites(gm: GraphModule, state: ScaleState, threshold: float) -> None:
     """Give the graph's forward overflow checks the state's slots for their sites (by key, so a
-    recompiled graph writes where the last one did); a check beyond the state's capacity goes."""
-    sites = gm.meta.get(SITES_KEY)
+    recompiled graph writes where the last one did); a check beyond the state's capacity goes.
+    The graph's own list of sites goes too: its checks now write the state's slots, and the sites
+    live in the state (a saved converted graph is loaded with its state's sites, already mapped)."""
+    sites = gm.meta.pop(SITES_KEY, None)
     if not sites:
         return
     slots = [state.forward.register(site, threshold) for site in sites]

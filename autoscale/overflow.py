@@ -121,7 +121,7 @@ class ForwardSites:
     ``slots`` maps a site key to its slot in the peaks buffer (stable across recompiles). Per slot,
     on the device: ``alarm_low`` and ``alarm_high`` bound the peaks that call for a look on the
     host (a float16 value above ``threshold`` x 65504, a cast source in (threshold x 65504, 65504],
-    nan anywhere), and ``outputs`` marks the graph outputs. Unused slots never alarm.
+    nan anywhere), and ``outputs`` marks the graph outputs. (No check writes an unused slot.)
     """
 
     capacity: int

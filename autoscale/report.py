@@ -3,9 +3,14 @@
 ``autoscale.GradScaler(model, telemetry=LOG)`` appends one JSON line per ``update()``::
 
     {"step": 7, "skipped": true, "loss_scale": 1.0,
-     "layers": {"fc1": {"scale": 8192.0, "zero_rate": 0.0, "overflows": 1}, ...}}
+     "layers": {"fc1": {"scale": 8192.0, "zero_rate": 0.0, "overflows": 1}, ...},
+     "forward": {"promoted": [{"key": "fc2:linear#0", "step": 7, "observed": "inf", "reason": "overflowed"}],
+                 "overflowed": ["fc2:linear#0"], "float32_nonfinite": []}}
 
-(``overflows`` counts, per layer, the updates so far at which that layer overflowed.) This module
+(``overflows`` counts, per layer, the updates so far at which that layer's gradients overflowed;
+``forward``, only on steps where the forward's overflow checks found something, says which ops
+were promoted to float32, which float16 values overflowed and which float32 values were
+non-finite: see docs/forward_overflow.md.) This module
 reads such a log (:func:`load_telemetry`), reduces it to per-layer numbers (:func:`summarize`,
 :func:`format_summary`) and draws it (:func:`render`). Loading and summarising are separate from
 drawing so that the numbers can be used (and tested) without matplotlib, which is imported only
@@ -28,6 +33,7 @@ from typing import Any
 
 __all__ = [
     "PLOTS",
+    "ForwardEvent",
     "LayerSample",
     "LayerSummary",
     "Step",
@@ -47,6 +53,7 @@ log = logging.getLogger("autoscale")
 PLOTS = {"scales": "scales.png", "zero_rates": "zero_rates.png", "skipped": "skipped.png"}
 
 _LAYER_KEYS = ("scale", "zero_rate", "overflows")
+_FORWARD_KINDS = ("promoted", "overflowed", "float32_nonfinite")
 _HOW_TO_WRITE = "autoscale.GradScaler(model, telemetry=PATH) writes one line per scaler.update()"
 
 
@@ -64,6 +71,18 @@ class LayerSample:
 
 
 @dataclass(frozen=True)
+class ForwardEvent:
+    """What the forward's overflow checks found at one step: an op ``promoted`` to float32 (with
+    the max |x| it had and why), a float16 value that ``overflowed``, or a value non-finite in
+    float32 (``float32_nonfinite``: a model or data problem)."""
+
+    step: int
+    kind: str
+    key: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class Step:
     """One line of the log: the state after one ``update()``."""
 
@@ -72,6 +91,7 @@ class Step:
     loss_scale: float
     layers: dict[str, LayerSample]
     line: int  # 1-based line number in the file, for messages
+    forward: tuple[ForwardEvent, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +141,7 @@ class Summary:
     runs: int = 1
     run_start_line: int = 1
     notes: tuple[str, ...] = field(default=())
+    forward: tuple[ForwardEvent, ...] = ()
 
 
 # ------------------------------------------------------------------------------- loading
@@ -187,7 +208,21 @@ def _parse_line(path: Path, number: int, text: str) -> Step:
         if not all(_is_number(values[k]) for k in _LAYER_KEYS) or not _is_int(values["overflows"]):
             raise bad(f"line {number}: layer {name!r} has a value that is not a number")
         samples[name] = LayerSample(float(values["scale"]), float(values["zero_rate"]), int(values["overflows"]))
-    return Step(int(step), skipped, float(loss_scale), samples, number)
+    forward = record.get("forward", {})
+    if not isinstance(forward, dict) or not all(isinstance(forward.get(k, []), list) for k in _FORWARD_KINDS):
+        raise bad(f"line {number}: 'forward' must be an object of lists ({', '.join(_FORWARD_KINDS)})")
+    events = []
+    for kind in _FORWARD_KINDS:
+        for item in forward.get(kind, []):
+            if kind == "promoted":
+                if not isinstance(item, dict) or "key" not in item:
+                    raise bad(f"line {number}: a 'forward' promotion needs a 'key'")
+                observed = item.get("observed", "")
+                seen = f"max |x| {observed:.3g}" if _is_number(observed) else str(observed)
+                events.append(ForwardEvent(int(step), kind, str(item["key"]), f"{seen}, {item.get('reason', '')}"))
+            else:
+                events.append(ForwardEvent(int(step), kind, str(item)))
+    return Step(int(step), skipped, float(loss_scale), samples, number, tuple(events))
 
 
 def _is_number(x: object) -> bool:
@@ -229,7 +264,8 @@ def summarize(telemetry: Telemetry) -> Summary:
         path=telemetry.path, steps=len(steps), first_step=steps[0].step, last_step=steps[-1].step,
         skipped_steps=tuple(s.step for s in steps if s.skipped),
         loss_scale=(loss_scales[-1], min(loss_scales), max(loss_scales)), layers=tuple(layers),
-        runs=runs, run_start_line=telemetry.run_starts[-1], notes=tuple(notes))
+        runs=runs, run_start_line=telemetry.run_starts[-1], notes=tuple(notes),
+        forward=tuple(e for s in steps for e in s.forward))
 
 
 def format_summary(summary: Summary) -> str:
@@ -249,6 +285,12 @@ def format_summary(summary: Summary) -> str:
     else:
         lines.append(f"loss scale:    {_scale(final)} at the end (min {_scale(low)}, max {_scale(high)})")
     lines += [f"note: {n}" for n in s.notes]
+    if s.forward:
+        what = {"promoted": "computed in float32 from the next step", "overflowed": "overflowed in float16",
+                "float32_nonfinite": "non-finite in float32 (a model or data problem)"}
+        lines += ["", "forward overflow:"]
+        lines += [f"  step {e.step}: {e.key} {what[e.kind]}" + (f" ({e.detail})" if e.detail else "")
+                  for e in s.forward]
     if s.layers:
         header = ("layer", "final scale", "min scale", "max scale", "mean zero rate", "max zero rate", "overflows")
         rows = [(x.name, _scale(x.final_scale), _scale(x.min_scale), _scale(x.max_scale), _rate(x.mean_zero_rate),

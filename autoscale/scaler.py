@@ -412,11 +412,11 @@ class GradScaler:
             return
         if self._pending is not None and self._pending[1].query():
             (host, _), self._pending = self._pending, None
-            self._act(host[:-1], skipped=bool(host[-1]), step=self._steps - 1)
+            self._act(host[:-1], skipped=bool(host[-1]), step=self._steps)  # (the last step's, numbered from 1)
         look = forward.alarm(peaks) | (overflow > 0 if isinstance(overflow, torch.Tensor) else overflow)
         if peaks.device.type == "cpu" or self._decided is not None:
             if bool(look):
-                self._act(peaks.cpu(), skipped=bool(overflow), step=self._steps)
+                self._act(peaks.cpu(), skipped=bool(overflow), step=self._steps + 1)
             else:
                 self._streak = 0
         elif self._pending is None:
@@ -430,7 +430,8 @@ class GradScaler:
 
     def _act(self, peaks: torch.Tensor, *, skipped: bool, step: int) -> None:
         """Promote what overflowed or came near float16's max; on a skipped step, name what
-        promotion cannot help and raise if it persists (see ``OverflowConfig``)."""
+        promotion cannot help and raise if it persists (see ``OverflowConfig``). ``step`` counts
+        from 1, as the telemetry does."""
         assert self._state is not None
         forward, cfg = self._state.forward, self.overflow_config
         found = diagnose(forward.sites, peaks, forward.threshold, skipped=skipped)

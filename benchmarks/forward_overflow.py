@@ -16,7 +16,10 @@ Cases (``benchmarks/overflow_models.py``):
       no dropout) whose feed-forward outputs reach ~7e4 in float32 from the first step; AdamW
       lr 1e-3, 30 steps on one batch. The prediction path: the analysis sees it at compile time.
   (b) ``Drifting``: a regressor whose output layer grows while it learns large targets and
-      passes 65504 after ~95 steps; Adam lr 1e-2, 200 steps on one batch. The run-time path.
+      passes 65504 after ~95 steps; Adam lr 1e-2, 200 steps on one batch. The run-time path: by
+      default autoscale promotes the layer once its output passes half of 65504, before it
+      overflows; (b, late) is the same with ``OverflowConfig(threshold=1.0)``, which waits for the
+      overflow itself, as when a value jumps past 65504 in one step.
   (c) ``LogOfZero``: log(relu(.)) of a layer with dead units: non-finite in float32 too.
 
 Columns: non-finite losses and skipped steps (of the run's steps), recompiles (autoscale's, after the
@@ -63,6 +66,7 @@ class Case:
     make: Callable[[int], tuple[nn.Module, tuple[torch.Tensor, ...]]]
     optimizer: Callable[[Any], torch.optim.Optimizer]
     steps: int
+    config: autoscale.Config = field(default_factory=autoscale.Config)  # autoscale's
 
 
 def _t5(seed: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -86,6 +90,10 @@ CASES: dict[str, Case] = {
               lambda p: torch.optim.AdamW(p, lr=1e-3), 30),
     "b": Case("b", "(b) regressor whose output layer grows past 65504 during training", _drifting,
               lambda p: torch.optim.Adam(p, lr=1e-2), 200),
+    "B": Case("B", "(b, late) the same regressor, autoscale repairing only what has overflowed "
+                   "(OverflowConfig(threshold=1.0): no early promotion)", _drifting,
+              lambda p: torch.optim.Adam(p, lr=1e-2), 200,
+              autoscale.Config(overflow=autoscale.OverflowConfig(threshold=1.0))),
     "c": Case("c", "(c) log of a ReLU with dead units: non-finite in float32 too", _log_of_zero,
               lambda p: torch.optim.Adam(p, lr=1e-3), 10),
 }
@@ -144,8 +152,8 @@ def run(case: Case, method: str, seed: int) -> RunResult:
         result.skipped = case.steps - _adam_steps(opt)
         result.final_scale = amp.get_scale()
     else:
-        backend = autoscale.backend()
-        scaler = autoscale.GradScaler(model)
+        backend = autoscale.backend(case.config)
+        scaler = autoscale.GradScaler(model, case.config)
         compiled = torch.compile(model, backend=backend)
         try:
             for _ in range(case.steps):
@@ -227,7 +235,7 @@ def _each(values: list[float] | list[int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--cases", default="abc", help="which cases to run (default: abc)")
+    parser.add_argument("--cases", default="abBc", help="which cases to run (default: abBc)")
     parser.add_argument("-o", "--output", type=Path, default=Path("docs/results/forward_overflow.md"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")

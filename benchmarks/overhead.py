@@ -3,7 +3,10 @@
     python -m benchmarks.overhead [--quick] [--device cuda]     # writes docs/results/overhead[_cuda].md
 
 Methods, for each model (interleaved rounds, medians):
-  (a) autoscale: torch.compile(backend="autoscale") + autoscale.GradScaler (per-layer scales)
+  (a) autoscale: torch.compile(backend="autoscale") + autoscale.GradScaler (per-layer scales,
+      forward overflow checks: DESIGN.md §3.1)
+  (a') the same without the forward overflow checks (``OverflowConfig(watch=False)``): what the
+      checks cost is a/a'
   (b) the baseline: compiled float16 with torch.amp.GradScaler (one loss scale and its separate
       unscale-and-check pass over the gradients)
   (c) torch.compile (Inductor), float32
@@ -102,10 +105,12 @@ class _NoScaler:
 
 def _methods(model: nn.Module, device: str) -> dict[str, tuple[Callable[..., Any], Any, nn.Module]]:
     """name -> (callable model, scaler, module that owns the parameters)."""
-    a, b, c, d = (copy.deepcopy(model).to(device) for _ in range(4))
+    a, a0, b, c, d = (copy.deepcopy(model).to(device) for _ in range(5))
     baseline = torch.compile(_Autocast(b, device)) if device == "cuda" else torch.compile(b, backend="autoscale")
+    unwatched = autoscale.Config(overflow=autoscale.OverflowConfig(watch=False))
     return {
-        "(a) autoscale": (torch.compile(a, backend="autoscale"), None, a),  # scaler made below
+        "(a) autoscale": (torch.compile(a, backend="autoscale"), None, a),  # scalers made below
+        "(a') autoscale, no forward checks": (torch.compile(a0, backend=autoscale.backend(unwatched)), None, a0),
         "(b) compiled fp16 + torch.amp.GradScaler": (baseline, torch.amp.GradScaler(device), b),
         "(c) torch.compile fp32": (torch.compile(c), _NoScaler(), c),
         "(d) eager fp32": (d, _NoScaler(), d),
@@ -156,17 +161,21 @@ def main() -> None:
     rounds, steps = 15, 5
     results = {name: measure(name, args.quick, rounds, steps, args.device) for name in MODELS}
     labels = list(next(iter(results.values())))
-    lines = ["| model | " + " | ".join(labels) + " | ratio a/b |", "|---" * (len(labels) + 2) + "|"]
-    ratios = []
+    lines = ["| model | " + " | ".join(labels) + " | ratio a/b | ratio a'/b |", "|---" * (len(labels) + 3) + "|"]
+    ratios, unwatched = [], []
     for name, medians in results.items():
-        ratio = medians[labels[0]] / medians[labels[1]]
+        ratio = medians[labels[0]] / medians[labels[2]]
         ratios.append(ratio)
-        lines.append(f"| {name} | " + " | ".join(f"{medians[k] * 1e3:.2f} ms" for k in labels) + f" | {ratio:.2f} |")
+        unwatched.append(medians[labels[1]] / medians[labels[2]])
+        lines.append(f"| {name} | " + " | ".join(f"{medians[k] * 1e3:.2f} ms" for k in labels)
+                     + f" | {ratio:.2f} | {unwatched[-1]:.2f} |")
     overall = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    overall_unwatched = math.exp(sum(math.log(r) for r in unwatched) / len(unwatched))
     machine = (torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads")
     text = (f"# Step-time overhead\n\n{__doc__}\nMachine: {machine}, torch {torch.__version__}, "
             f"{'--quick' if args.quick else 'full'} run; median step time over {rounds} interleaved rounds of "
-            f"{steps} steps.\n\n" + "\n".join(lines) + f"\n\nGeometric mean of the ratios: {overall:.2f}.\n")
+            f"{steps} steps.\n\n" + "\n".join(lines) + f"\n\nGeometric mean of the ratios: a/b {overall:.2f}, "
+            f"a'/b {overall_unwatched:.2f}.\n")
     name = "overhead.md" if args.device == "cpu" else f"overhead_{args.device}.md"
     path = Path(__file__).resolve().parent.parent / "docs" / "results" / name
     notes = notes_of(path)

@@ -1,5 +1,6 @@
 """Graph-diff inspection (``autoscale.diff``): golden text, counts against the passes' own records,
-the JSON schema, and the HTML page rendered by headless Chromium."""
+the forward-overflow decisions (predicted, promoted, following) and checks, the JSON schema, and
+the HTML page rendered by headless Chromium."""
 
 from __future__ import annotations
 
@@ -22,14 +23,17 @@ import torch.nn.functional as F
 
 import autoscale
 from autoscale import Config, ScalingConfig
-from autoscale.diff import GraphDiff, diff, schema
+from autoscale.diff import GraphDiff, OverflowDecision, diff, schema
 from autoscale.inspect import precision_report
+from autoscale.ops import FP16_MAX
+from autoscale.overflow import Promotion
 from autoscale.passes import PIPELINE, PassRecord, run_stage
 from autoscale.passes.analyze_underflow import seed_inputs
 from autoscale.passes.graph_utils import dtype_name
+from autoscale.passes.predict_overflow import PROMOTED_REASON
 from autoscale.runtime import install_state
 from tests.helpers import capture
-from tests.models import mlp_case
+from tests.models import MLP, mlp_case
 
 GOLDEN = Path(__file__).parent / "golden"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -179,6 +183,9 @@ def test_summary_counts_equal_pass_records(case: str) -> None:
     # the model's own casts that were folded show as removed nodes
     own = {f.name for f in d.forward.folded if f.created_by is None}
     assert own <= {e.name for e in d.forward.entries if e.status == "removed"}
+    # forward overflow checks: what insert_overflow_checks inserted (none predicted for these models)
+    assert s.watched == passes["insert_overflow_checks"]["sites"] == d.forward.count("inserted", "check") > 0
+    assert s.float32_for_overflow == passes["predict_overflow"]["predicted"] == len(d.overflow) == 0
 
 
 def test_tiny_diff_contents(tiny: GraphDiff) -> None:
@@ -237,15 +244,163 @@ class _Broken(nn.Module):
 
 def test_graphs_after_a_graph_break_are_scaled_as_the_backend_scales_them() -> None:
     """The diff shows what the backend does: the graph after the break gets the scaler's state
-    (two inputs with provenance) and scale points of its own."""
+    (three inputs with provenance: scales, statistics, forward peaks) and scale points of its own."""
     d = diff(_Broken(), (torch.randn(8, 16),), config=NATIVE_ALL)
     assert d.summary.graphs == 3  # the announcement's graph, and one on each side of the break
     points = [e.scale for e in d.forward.entries if e.scale is not None and e.scale.kind == "scale"]
     assert {p.layer for p in points} >= {"a", "b"}
     assert {p.graph for p in points} == {1, 2}
     added = [e for e in d.forward.entries if e.status == "inserted" and e.name.startswith("autoscale_")]
-    assert len(added) == 4  # scales and statistics, in each graph
+    assert len(added) == 6  # scales, statistics and forward peaks, in each graph
     assert all(e.provenance is not None and e.provenance.pass_name == "reach_state" for e in added)
+
+
+# ------------------------------------------------------------------------------------ forward overflow
+
+
+def hot_case() -> tuple[MLP, tuple[torch.Tensor, ...]]:
+    """``tests.models``' MLP with ``fc2``'s weights 1e5 times larger (its output and the GELU after it
+    reach ~8.6e4, beyond float16's 65504) and ``fc3``'s 1e4 times smaller (its output is small
+    again, but it reads the GELU's)."""
+    model, inputs, _ = mlp_case()
+    assert isinstance(model, MLP)
+    with torch.no_grad():
+        model.fc2.weight.mul_(1e5)
+        model.fc3.weight.mul_(1e-4)
+    return model, inputs
+
+
+@pytest.fixture(scope="module")
+def hot() -> GraphDiff:
+    model, inputs = hot_case()
+    return diff(model, inputs)
+
+
+def _measured(model: MLP, x: torch.Tensor) -> dict[str, float]:
+    """The float32 max |x| of the values the MLP's forward graph names ``linear_1``, ``gelu`` and ``linear_2``."""
+    with torch.no_grad():
+        fc2 = model.fc2(F.relu(model.fc1(x)))
+        gelu = F.gelu(fc2)
+        return {name: float(v.abs().max()) for name, v in
+                (("linear_1", fc2), ("gelu", gelu), ("linear_2", model.fc3(gelu)))}
+
+
+def test_forward_overflow_predicted(hot: GraphDiff) -> None:
+    """A layer whose output float16 cannot hold: it and the GELU after it are predicted, fc3 (which
+    reads the GELU) follows them into float32; each with the analysis' max |x|, within 2x of the
+    real one."""
+    assert [(o.layer, o.op, o.node, o.source) for o in hot.overflow] == [
+        ("fc2", "linear", "linear_1", "predicted"), ("", "gelu", "gelu", "predicted"),
+        ("fc3", "linear", "linear_2", "follows")]
+    model, (x,) = hot_case()
+    measured = _measured(model, x)
+    assert measured["linear_1"] > FP16_MAX  # the premise: float16 would make it inf
+    fwd = {e.name: e for e in hot.forward.entries}
+    for o in hot.overflow:
+        assert o.graph == 0 and o.predicted_max is not None
+        assert measured[o.node] / 2 <= o.predicted_max <= 2 * measured[o.node], (o, measured[o.node])
+        entry = fwd[o.node]
+        assert (entry.dtype_after, entry.layer) == ("float32", o.layer)
+        assert entry.provenance is not None and entry.provenance.reason == o.reason
+    assert hot.overflow[0].reason.startswith("forward overflow predicted: max |x|")
+    assert hot.overflow[2].reason == "forward overflow: reads gelu, which float16 cannot hold"
+    s = hot.summary
+    assert s.float32_for_overflow == 3
+    predict = [p for p in s.passes if p.name == "predict_overflow"]
+    assert [p.counts["predicted"] for p in predict] == [2]
+    # the rest of the model is still converted: fc1 and the ReLU
+    assert (fwd["linear"].dtype_after, fwd["relu"].dtype_after) == ("float16", "float16")
+
+
+def test_forward_overflow_in_text_json_and_html(hot: GraphDiff) -> None:
+    lines = hot.to_text().splitlines()
+    head = lines[:lines.index("--- forward before: Dynamo graph, as captured")]
+    at = head.index("  forward overflow: 3 ops kept in float32 (2 predicted, 0 promoted at run time, 1 follows them); "
+                    f"{hot.summary.watched} values watched at run time")
+    assert head[at + 1:at + 4] == [
+        f"    fc2 linear (node linear_1): {hot.overflow[0].reason.removeprefix('forward overflow ')}",
+        f"    (model) gelu (node gelu): {hot.overflow[1].reason.removeprefix('forward overflow ')}",
+        "    fc3 linear (node linear_2): reads gelu, which float16 cannot hold; predicted max |x| "
+        f"{hot.overflow[2].predicted_max:.3g} vs float16's 65504"]
+
+    jsonschema = pytest.importorskip("jsonschema")
+    for doc in (hot.to_json(), hot.to_json(backward_only=True)):
+        doc = json.loads(json.dumps(doc))
+        jsonschema.Draft202012Validator(schema()).validate(doc)
+        assert doc["overflow"]["watched"] == doc["summary"]["watched"] == hot.summary.watched > 0
+        assert [OverflowDecision(**o) for o in doc["overflow"]["float32"]] == list(hot.overflow)
+        assert doc["summary"]["float32_for_overflow"] == 3
+    bad = json.loads(json.dumps(hot.to_json()))
+    bad["overflow"]["float32"][0]["source"] = "guessed"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(schema()).validate(bad)
+
+    page = _Classes()
+    page.feed(hot.to_html())
+    assert page.count("overflow", "numbers", "overflow") == 1
+    assert (page.count("overflow", "predicted"), page.count("overflow", "follows")) == (2, 1)
+    links = [a.get("href") for sec, tag, _, a in page.elements if sec == "overflow" and tag == "a"]
+    assert links == ["#forward-0-linear_1", "#forward-0-gelu", "#forward-0-linear_2"]
+    ids = {a.get("id") for _, _, _, a in page.elements}
+    assert all(href[1:] in ids for href in links if href)
+    section = hot.to_html().split('<section id="overflow"')[1].split("</section>")[0]
+    assert "<td>fc2</td>" in section and "<td>fc3</td>" in section and "<td>(model)</td>" in section
+
+
+def test_forward_overflow_promoted_by_the_scaler(tiny: GraphDiff) -> None:
+    """An op the user's GradScaler promoted after a run-time overflow is float32 in the diff, with
+    the scaler's reason; the ReLU that reads it follows. Without the promotion (``tiny``) both are
+    float16 and nothing is listed."""
+    model, inputs = tiny_case()
+    scaler = autoscale.GradScaler(model)
+    assert scaler._state is not None
+    scaler._state.forward.promote([Promotion("fc1:linear#0", 3, math.inf, "overflowed")])
+    d = diff(model, inputs, config=NATIVE_ALL)
+    assert [(o.layer, o.node, o.source, o.reason) for o in d.overflow] == [
+        ("fc1", "linear", "promoted", PROMOTED_REASON),
+        ("", "relu", "follows", "forward overflow: reads linear, which float16 cannot hold")]
+    fwd = {e.name: e for e in d.forward.entries}
+    assert (fwd["linear"].dtype_after, fwd["relu"].dtype_after) == ("float32", "float32")
+    assert "1 promoted at run time" in d.to_text()
+    assert "    fc1 linear (node linear): seen at run time: promoted by GradScaler" in d.to_text()
+    assert list(scaler._state.forward.promoted) == ["fc1:linear#0"]  # the user's state as it was
+    before = {e.name: e for e in tiny.forward.entries}
+    assert (before["linear"].dtype_after, before["relu"].dtype_after) == ("float16", "float16")
+    assert tiny.overflow == () and tiny.summary.float32_for_overflow == 0
+
+
+def test_overflow_checks_are_check_entries_in_every_graph() -> None:
+    """Every ``watch`` the pass inserted is an entry of kind "check", in every graph of a model with a
+    graph break; the summary counts them as the pass does, summed over the graphs; decisions carry
+    their graph."""
+    torch.manual_seed(0)
+    model = _Broken()
+    with torch.no_grad():
+        model.a.weight.mul_(1e5)  # a's output, and the ReLU's, beyond float16's range
+        model.b.weight.mul_(1e-5)  # b's is not, but b reads the ReLU's (graph 2's input)
+    d = diff(model, (torch.randn(8, 16),), config=NATIVE_ALL)
+    checks = [e for e in d.forward.entries if e.kind == "check"]
+    assert all(e.status == "inserted" and e.op == "watch" and e.dtype_after is None for e in checks)
+    assert all(e.provenance is not None and e.provenance.pass_name == "insert_overflow_checks"
+               and e.provenance.reason.startswith("overflow check of ") for e in checks)
+    sites = [p.counts["sites"] for p in d.summary.passes if p.name == "insert_overflow_checks"]
+    assert len(sites) == d.summary.graphs == 3
+    assert d.summary.watched == len(checks) == sum(sites) > 0
+    assert {e.graph for e in checks} == {1, 2}
+    assert [(o.graph, o.layer, o.op, o.source) for o in d.overflow] == [
+        (1, "a", "linear", "predicted"), (1, "", "relu", "predicted"), (2, "b", "linear", "follows")]
+    assert "    b linear (node linear in graph 2): reads l_h_, which float16 cannot hold" in d.to_text()
+    assert not any(e.kind == "check" for e in d.backward.entries)
+
+
+def test_no_forward_overflow_line_without_checks() -> None:
+    """bfloat16 has float32's range: nothing is kept in float32 or watched, and the text says nothing."""
+    model, inputs = hot_case()
+    d = diff(model, inputs, config=Config(dtype=torch.bfloat16))
+    assert d.overflow == () and d.summary.watched == 0
+    assert not any(e.kind == "check" for e in d.forward.entries)
+    assert "forward overflow" not in d.to_text()
+    assert d.to_json()["overflow"] == {"watched": 0, "float32": []}
 
 
 def test_repeated_diffs_do_not_hit_the_recompile_limit() -> None:
@@ -285,7 +440,8 @@ def test_json_validates_against_schema(tiny: GraphDiff) -> None:
         doc = json.loads(json.dumps(doc))  # plain JSON types only
         jsonschema.Draft202012Validator(spec).validate(doc)
     doc = tiny.to_json()
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == 3
+    assert doc["overflow"] == {"watched": tiny.summary.watched, "float32": []}
     assert doc["summary"]["scale_points"] == tiny.summary.scale_points
     assert doc["forward"]["counts"]["inserted"] == tiny.forward.count("inserted")
     bad = json.loads(json.dumps(doc))
@@ -304,6 +460,8 @@ def test_html_is_self_contained(tiny: GraphDiff) -> None:
         assert remote not in page
     assert page.count('class="node inserted scale"') == tiny.summary.scale_points
     assert page.count('class="node inserted cast"') == tiny.summary.casts + tiny.summary.backward_casts
+    assert page.count('class="node inserted check"') == tiny.summary.watched > 0
+    assert 'id="overflow"' not in page  # no section without decisions
 
 
 needs_chromium = pytest.mark.skipif(
@@ -389,6 +547,7 @@ def test_html_dom(tiny: GraphDiff, tmp_path: Path) -> None:
     assert dom.count("forward", "node", "inserted", "scale") == s.scale_points > 0
     assert dom.count("forward", "node", "inserted", "unscale") == s.unscale_points
     assert dom.count("forward", "node", "inserted", "cast") == s.casts > 0
+    assert dom.count("forward", "node", "inserted", "check") == s.watched > 0
     assert dom.count("forward", "node", "removed") == tiny.forward.count("removed")
     # backward: one highlighted group per rescale point, its ATen nodes inside
     assert dom.count("backward", "scale-op", "scale") == s.scale_points

@@ -5,8 +5,10 @@ of the graph before the passes, runs the same pipeline, then runs AOTAutograd on
 joint-stage passes on the rewritten one) to get the backward graphs. The result, a
 :class:`GraphDiff`, pairs every node before with the node after and says what happened to it
 (unchanged, changed, inserted, removed), which pass did it and why (``node.meta["autoscale"]``),
-its dtype before and after, and for the gradient rescale points their layer, row, predicted
-float16 underflow rate and the initial scale the analysis chose. It renders as a unified diff
+its dtype before and after, for the gradient rescale points their layer, row, predicted float16
+underflow rate and the initial scale the analysis chose, and the ops kept in float32 for forward
+overflow (predicted, promoted by the ``GradScaler`` at run time, or following one of those) with
+the values the compiled forward watches. It renders as a unified diff
 (``to_text``), as JSON that validates against ``autoscale/diff/schema.json`` (``to_json``) and as
 one self-contained HTML page (``to_html``). docs/diff.md describes every field.
 
@@ -31,6 +33,7 @@ from autoscale.diff.model import (
     GraphDiff,
     GraphSection,
     NodeEntry,
+    OverflowDecision,
     PassCount,
     Provenance,
     ScaleInfo,
@@ -43,6 +46,7 @@ __all__ = [
     "GraphDiff",
     "GraphSection",
     "NodeEntry",
+    "OverflowDecision",
     "PassCount",
     "Provenance",
     "ScaleInfo",

@@ -3,13 +3,16 @@
 The forward graphs pair by node name (the passes keep names); the backward graphs, which
 AOTAutograd traces afresh, pair as a sequence diff on op and shape, with the gradients of nodes a
 pass inserted marked inserted by construction (via autograd's sequence numbers). Each pair becomes
-a :class:`~autoscale.diff.model.NodeEntry` with its status, provenance and rescale numbers, and
-:func:`assemble` sums the captured graphs into one :class:`~autoscale.diff.model.GraphDiff`.
+a :class:`~autoscale.diff.model.NodeEntry` with its status, provenance and rescale numbers; the
+ops kept in float32 for forward overflow are read off the rewritten forward graphs as
+:class:`~autoscale.diff.model.OverflowDecision`s; and :func:`assemble` sums the captured graphs
+into one :class:`~autoscale.diff.model.GraphDiff`.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -27,6 +30,8 @@ from autoscale.diff.model import (
     GraphSection,
     Kind,
     NodeEntry,
+    OverflowDecision,
+    OverflowSource,
     PassCount,
     Provenance,
     ScaleInfo,
@@ -34,8 +39,11 @@ from autoscale.diff.model import (
     Status,
 )
 from autoscale.inspect import Island
-from autoscale.ops import rescale
+from autoscale.ops import rescale, watch
+from autoscale.overflow import OVERFLOW_REASON
+from autoscale.passes.analyze_underflow import MOMENTS_KEY
 from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, layer_of, op_name, target_name, tensor_val
+from autoscale.passes.predict_overflow import FORWARD_KEY, PROMOTED_REASON
 
 __all__ = ["assemble"]
 
@@ -264,6 +272,8 @@ def _kind(node: Node, info: ScaleInfo | None) -> Kind:
         return "input"
     if node.op == "output":
         return "output"
+    if node.op == "call_function" and node.target is watch:
+        return "check"
     if cast_of(node) is not None:
         return "cast"
     return "emulated" if (node.meta.get(PROVENANCE_KEY) or {}).get("emulated") else "op"
@@ -320,6 +330,26 @@ def _backward_entries(g: CapturedGraph, infos: Mapping[Node, ScaleInfo]) -> tupl
     return entries, dict(sizes)
 
 
+def _overflow(g: CapturedGraph) -> list[OverflowDecision]:
+    """The ops of ``g``'s rewritten forward that ``convert_precision`` kept in float32 for forward
+    overflow: painted float32 with a reason that begins with ``OVERFLOW_REASON``. An op that
+    carries its own ``predict_overflow`` mark as the reason was predicted (or, with that pass's
+    promoted reason, promoted at run time); any other such op reads one of them."""
+    decisions = []
+    for n in g.after.graph.nodes:
+        prov = n.meta.get(PROVENANCE_KEY) or {}
+        reason = str(prov.get("reason", ""))
+        if prov.get("created") or prov.get("precision") != "float32" or not reason.startswith(OVERFLOW_REASON):
+            continue
+        source: OverflowSource = ("promoted" if reason == PROMOTED_REASON
+                                  else "predicted" if reason == n.meta.get(FORWARD_KEY) else "follows")
+        moments = (n.meta.get(MOMENTS_KEY) or {}).get("value")
+        amax = float(moments.amax) if moments is not None else math.nan
+        decisions.append(OverflowDecision(g.index, n.name, layer_of(n), op_name(n) or _op(n), source,
+                                          amax if math.isfinite(amax) else None, reason))
+    return decisions
+
+
 def _folded(g: CapturedGraph) -> tuple[list[FoldedCast], list[FoldedCast]]:
     fwd = [FoldedCast(g.index, e.name, e.text, "dynamo", e.created_by)
            for e in g.dynamo.erased if e.pass_name == "fold_casts" and e.cast]
@@ -334,6 +364,7 @@ def assemble(graphs: list[CapturedGraph], cfg: Config) -> GraphDiff:
     forward: list[NodeEntry] = []
     backward: list[NodeEntry] = []
     scale_ops: list[ScaleInfo] = []
+    overflow: list[OverflowDecision] = []
     folded_f: list[FoldedCast] = []
     folded_b: list[FoldedCast] = []
     passes: list[PassCount] = []
@@ -345,6 +376,7 @@ def assemble(graphs: list[CapturedGraph], cfg: Config) -> GraphDiff:
         forward.extend(_forward_entries(g, infos))
         backward.extend(bwd)
         scale_ops.extend(infos.values())
+        overflow.extend(_overflow(g))
         f, b = _folded(g)
         folded_f.extend(f)
         folded_b.extend(b)
@@ -364,12 +396,15 @@ def assemble(graphs: list[CapturedGraph], cfg: Config) -> GraphDiff:
         scale_points=sum(1 for s in scale_ops if s.kind == "scale"),
         unscale_points=sum(1 for s in scale_ops if s.kind == "unscale"),
         align_points=sum(1 for s in scale_ops if s.kind == "align"),
+        watched=sum(1 for e in forward if e.kind == "check"),
+        float32_for_overflow=len(overflow),
         max_underflow=worst[0] if worst else None, max_underflow_node=worst[1] if worst else None,
         max_underflow_layer=worst[2] if worst else None,
         islands=islands, unknown_ops=tuple(dict.fromkeys(op for r in reports for op in r.unknown_ops)),
         passes=tuple(passes))
     return GraphDiff(GraphSection("forward", tuple(forward), tuple(folded_f), islands),
-                     GraphSection("backward", tuple(backward), tuple(folded_b)), summary, tuple(scale_ops))
+                     GraphSection("backward", tuple(backward), tuple(folded_b)), summary, tuple(scale_ops),
+                     tuple(overflow))
 
 
 def _with_size(info: ScaleInfo, size: int) -> ScaleInfo:

@@ -19,16 +19,16 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule, Node
 
 from autoscale.backend import reach_state
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport, format_graph, precision_report
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
-from autoscale.passes.graph_utils import PROVENANCE_KEY, attach_of, cast_of, dtype_name
+from autoscale.passes.graph_utils import PROVENANCE_KEY, attach_of, cast_of, copy_graph_module, dtype_name
 from autoscale.passes.insert_grad_scaling import ScalePoint, insert_grad_scaling, scale_points
-from autoscale.runtime import _SCALES, _STATE_ATTR, _STATS, LAYOUT_SEP, ScaleState, install_state, unwrap
+from autoscale.runtime import _PEAKS, _SCALES, _STATE_ATTR, _STATS, LAYOUT_SEP, ScaleState, install_state, unwrap
 
 __all__ = ["CapturedGraph", "capture_graphs", "node_lines"]
 
@@ -76,7 +76,9 @@ def _recoded(fn: types.FunctionType) -> types.FunctionType:
 def _private_copy(model: nn.Module, cfg: Config) -> nn.Module:
     """A deep copy of the user's module to capture. Installed scaler state is left out of the copy
     (its forward wrapper is a closure over the original model) and installed afresh when the
-    config scales adaptively: the scale points need the scaler's state to be placed."""
+    config scales adaptively: the scale points need the scaler's state to be placed. The fresh
+    state keeps the original's forward-overflow promotions, so the diff shows the graph the user's
+    model computes now."""
     root = unwrap(model)
     state = getattr(root, _STATE_ATTR, None)
     memo: dict[int, Any] = {id(state): None} if state is not None else {}
@@ -86,10 +88,12 @@ def _private_copy(model: nn.Module, cfg: Config) -> nn.Module:
         moments |= state.moments
         vars(clone).pop(_STATE_ATTR, None)
         vars(clone).pop("forward", None)
-        for name in (_SCALES, _STATS):
+        for name in (_SCALES, _STATS, _PEAKS):
             clone._buffers.pop(name, None)
     if cfg.scaling.mode == "adaptive":
-        install_state(clone, moments=moments)
+        fresh = install_state(clone, moments=moments)
+        if isinstance(state, ScaleState):  # the ops the user's scaler promoted after forward overflows
+            fresh.forward.load_state_dict(state.forward.state_dict())
     _fresh_forward(clone)
     return clone
 
@@ -180,7 +184,7 @@ class _Capture:
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         cfg = self.cfg
-        before, before_inputs = _copy(gm), example_inputs
+        before, before_inputs = copy_graph_module(gm), example_inputs
         if cfg.scaling.mode == "adaptive" and (reached := reach_state(gm, example_inputs)):
             gm, bound = reached  # (a graph after a graph break, scaled as the backend scales it)
             example_inputs = [*example_inputs, *bound]
@@ -198,20 +202,12 @@ class _Capture:
 
         # The backward graphs. (AOTAutograd traces a copy of the captured graph: ``before`` stays
         # the graph Dynamo runs and the record of the lines before.)
-        autograd_before = _autograd(_copy(before), before_inputs, None)
+        autograd_before = _autograd(copy_graph_module(before), before_inputs, None)
         autograd_after = _autograd(gm, example_inputs, joint_stage)
         self.graphs.append(CapturedGraph(len(self.graphs), before, gm, records, report, dynamo, joint,
                                          autograd_before, autograd_after))
         return before.forward
 
-
-def _copy(gm: GraphModule) -> GraphModule:
-    """A copy of ``gm`` with the same node names and shallow copies of their meta, so the passes'
-    rewrites of the original (and of its nodes' meta entries) do not show through."""
-    graph = Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return GraphModule(gm, graph)
 
 
 def _autograd(gm: GraphModule, example_inputs: Sequence[Any],

@@ -1,8 +1,10 @@
 """The HTML rendering of a graph diff: one self-contained page, before and after side by side.
 
 Inline CSS and JavaScript and no network, so the page can be mailed or attached to a report:
-inserted casts and rescale points are highlighted, a rescale point's backward folds into one row,
-hovering a node outlines the nodes it reads, and the per-node numbers are in tooltips and tables.
+inserted casts and rescale points are highlighted, overflow checks muted (they only watch a value),
+a rescale point's backward folds into one row, hovering a node outlines the nodes it reads, the
+ops kept in float32 for forward overflow have a table of their own, and the per-node numbers are
+in tooltips and tables.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Literal
 
 from autoscale.diff.notes import rate_text, scale_note, scale_text, summary_details
+from autoscale.ops import FP16_MAX
 
 if TYPE_CHECKING:
     from autoscale.diff.model import GraphDiff, GraphSection, NodeEntry, ScaleInfo
@@ -48,6 +51,9 @@ tr.group-head td.group { font-family: system-ui, sans-serif; }
          color: #fff; font: 600 11px/1.6 system-ui, sans-serif; white-space: nowrap; }
 .unscale .badge, .align .badge { background: #b392f0; }
 td.node.inserted.scale_op { background: #fdf6ff; border-left-color: #c297ff; }
+td.node.inserted.check, .legend .check { background: #f6f8fa; color: #8c959f; border-left-color: #d0d7de;
+                                        font-style: italic; }
+table.numbers tr.promoted td.source { font-weight: 600; }
 .legend .inserted { background: var(--ins); } .legend .removed { background: var(--del); }
 .legend .changed { background: var(--chg); }
 tbody.scale-op tr.member { display: none; }
@@ -94,7 +100,8 @@ def render_html(d: GraphDiff, *, backward_only: bool) -> str:
     infos = {(i.graph, i.node): i for i in d.scale_ops}
     data = {"scale-points": s.scale_points, "unscale-points": s.unscale_points, "align-points": s.align_points,
             "casts": s.casts, "emulated-ops": s.emulated_ops, "backward-casts": s.backward_casts,
-            "casts-folded": s.casts_folded, "converted": s.converted, "total": s.total}
+            "casts-folded": s.casts_folded, "converted": s.converted, "total": s.total, "watched": s.watched,
+            "float32-for-overflow": s.float32_for_overflow}
     attrs = " ".join(f'data-{k}="{v}"' for k, v in data.items())
     parts = [
         "<!DOCTYPE html>",
@@ -110,15 +117,39 @@ def render_html(d: GraphDiff, *, backward_only: bool) -> str:
     parts.append('<p class="legend"><span class="inserted">inserted</span><span class="removed">removed</span>'
                  '<span class="changed">changed</span><span class="cast">precision cast</span>'
                  '<span class="emulated">emulated op</span><span class="scale">scale point</span>'
-                 '<span class="unscale">unscale / align point</span> '
+                 '<span class="unscale">unscale / align point</span><span class="check">overflow check</span> '
                  '<label><input type="checkbox" id="only-changes"> show only changes</label></p>')
     parts.append("</header>")
+    parts.extend(_html_overflow(d, link=not backward_only))
     sections = [d.backward] if backward_only else [d.forward, d.backward]
     for section in sections:
         parts.extend(_html_section(section, infos))
     parts.append(f"<script>{_JS}</script>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _html_overflow(d: GraphDiff, *, link: bool) -> Iterator[str]:
+    """The "Forward overflow" section: one row per op kept in float32 for forward overflow, with
+    the predicted max |x| next to float16's; nothing when there is none (the summary's details
+    already say how many values are watched). ``link``: node names link to their forward rows."""
+    if not d.overflow:
+        return
+    yield '<section id="overflow" class="section">'
+    yield "<h2>Forward overflow</h2>"
+    yield (f'<p class="details">Ops kept in float32 because float16 (max {FP16_MAX:g}) cannot hold a value they '
+           "compute or read: predicted by the analysis, promoted by the GradScaler after an overflow at run "
+           "time, or following one of those.</p>")
+    yield ('<table class="numbers overflow"><thead><tr><th>layer</th><th>op</th><th>node</th><th>source</th>'
+           f"<th>predicted max |x| (float16: {FP16_MAX:g})</th><th>reason</th></tr></thead><tbody>")
+    for o in d.overflow:
+        name = _esc(o.node) + (f" (graph {o.graph})" if d.summary.graphs > 1 else "")
+        node = f'<a href="#forward-{o.graph}-{_esc(o.node)}">{name}</a>' if link else name
+        amax = f"{o.predicted_max:.3g}" if o.predicted_max is not None else ""
+        yield (f'<tr class="{o.source}"><td>{_esc(o.layer or "(model)")}</td><td>{_esc(o.op)}</td>'
+               f'<td>{node}</td><td class="source">{o.source}</td><td class="num">{amax}</td>'
+               f"<td>{_esc(o.reason)}</td></tr>")
+    yield "</tbody></table></section>"
 
 
 def _cell(e: NodeEntry, side: Literal["before", "after"]) -> str:

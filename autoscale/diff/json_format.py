@@ -12,12 +12,12 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autoscale.diff.model import GraphDiff, GraphSection, NodeEntry, Provenance, ScaleInfo
+    from autoscale.diff.model import GraphDiff, GraphSection, NodeEntry, OverflowDecision, Provenance, ScaleInfo
     from autoscale.inspect import Island
 
 __all__ = ["SCHEMA_VERSION", "render_json", "schema"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the JSON document ``GraphDiff.to_json`` returns; bumped on any incompatible change."""
 
 
@@ -40,6 +40,11 @@ def _json_scale(s: ScaleInfo) -> dict[str, Any]:
             "out_rows": list(s.out_rows), "in_rows": list(s.in_rows), "record_rows": list(s.record_rows),
             "underflow": s.underflow, "amax": s.amax, "scale": s.scale, "arriving_scale": s.arriving_scale,
             "reason": s.reason, "backward_nodes": s.backward_nodes}
+
+
+def _json_overflow(o: OverflowDecision) -> dict[str, Any]:
+    return {"graph": o.graph, "node": o.node, "layer": o.layer, "op": o.op, "source": o.source,
+            "predicted_max": o.predicted_max, "reason": o.reason}
 
 
 def _json_entry(e: NodeEntry) -> dict[str, Any]:
@@ -65,7 +70,9 @@ def _json_island(i: Island) -> dict[str, Any]:
 
 def render_json(d: GraphDiff, *, backward_only: bool) -> dict[str, Any]:
     """``GraphDiff.to_json``'s document: the diff's fields under the schema's names, with scale
-    points referred to by node name in the entries (their numbers are in ``scale_ops``)."""
+    points referred to by node name in the entries (their numbers are in ``scale_ops``) and the
+    forward-overflow decisions under ``overflow`` (also with ``backward_only``: like the summary,
+    they say what the model computes in float32, which the backward inherits)."""
     s = d.summary
     doc: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -73,7 +80,8 @@ def render_json(d: GraphDiff, *, backward_only: bool) -> dict[str, Any]:
             "text": str(s), "dtype": s.dtype, "compute": s.compute, "graphs": s.graphs,
             "converted": s.converted, "total": s.total, "casts": s.casts, "emulated_ops": s.emulated_ops,
             "casts_folded": s.casts_folded, "backward_casts": s.backward_casts, "scale_points": s.scale_points,
-            "unscale_points": s.unscale_points, "align_points": s.align_points,
+            "unscale_points": s.unscale_points, "align_points": s.align_points, "watched": s.watched,
+            "float32_for_overflow": s.float32_for_overflow,
             "max_underflow": s.max_underflow, "max_underflow_node": s.max_underflow_node,
             "max_underflow_layer": s.max_underflow_layer,
             "islands": [_json_island(i) for i in s.islands], "unknown_ops": list(s.unknown_ops),
@@ -81,6 +89,7 @@ def render_json(d: GraphDiff, *, backward_only: bool) -> dict[str, Any]:
                         "counts": dict(p.counts)} for p in s.passes],
         },
         "scale_ops": [_json_scale(i) for i in d.scale_ops],
+        "overflow": {"watched": s.watched, "float32": [_json_overflow(o) for o in d.overflow]},
         "backward": _json_section(d.backward),
     }
     if not backward_only:

@@ -25,6 +25,8 @@ __all__ = [
     "GraphSection",
     "Kind",
     "NodeEntry",
+    "OverflowDecision",
+    "OverflowSource",
     "PassCount",
     "Provenance",
     "ScaleInfo",
@@ -33,8 +35,9 @@ __all__ = [
 ]
 
 Status = Literal["unchanged", "changed", "inserted", "removed"]
-Kind = Literal["input", "output", "op", "emulated", "cast", "scale", "unscale", "align", "scale_op"]
+Kind = Literal["input", "output", "op", "emulated", "cast", "scale", "unscale", "align", "scale_op", "check"]
 ScaleKind = Literal["scale", "unscale", "align"]
+OverflowSource = Literal["predicted", "promoted", "follows"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,8 @@ class NodeEntry:
     ``before``/``after`` are the nodes' lines as ``autoscale.inspect.format_graph`` prints them.
     ``underflow`` is the analysis' predicted float16 underflow rate of the node's gradient at
     scale 1 (forward nodes). ``scale`` is set on forward rescale nodes; ``scale_op`` names the
-    forward rescale node a backward node belongs to.
+    forward rescale node a backward node belongs to. Kind "check" is a forward-overflow check
+    (``autoscale.ops.watch``): it computes nothing the model reads, so the renderings mute it.
     """
 
     graph: int
@@ -109,6 +113,30 @@ class NodeEntry:
     underflow: float | None = None
     scale: ScaleInfo | None = None
     scale_op: str | None = None
+
+
+@dataclass(frozen=True)
+class OverflowDecision:
+    """A forward op kept in float32 because float16 cannot hold a value (DESIGN.md §3.1).
+
+    These are the decisions that make a model with large activations (a T5 feed-forward) train at
+    all, so the diff lists them apart from the other float32 islands. ``source``: "predicted" (the
+    analysis' max |x| exceeds ``Config.overflow.threshold`` x 65504), "promoted" (the
+    ``GradScaler`` saw it overflow at run time and moved it to float32) or "follows" (it reads such
+    a value, which a cast into float16 would make inf). ``node`` is the node's name in the
+    rewritten forward graph, ``layer`` its module path ("" for the model's top level).
+    ``predicted_max``: the analysis' predicted max |x| of its value (None where it predicted none,
+    or nothing finite).
+    ``reason``: the precision pass's reason, as recorded on the node.
+    """
+
+    graph: int
+    node: str
+    layer: str
+    op: str
+    source: OverflowSource
+    predicted_max: float | None
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -164,7 +192,10 @@ class DiffSummary:
     low-precision inputs (``compute="emulate"``).
     ``casts_folded``: casts ``fold_casts`` erased (both stages). ``backward_casts``: casts the
     backward graph gained outside the rescale points. ``scale_points``/``unscale_points``/
-    ``align_points``: the rescale nodes ``insert_grad_scaling`` inserted. ``max_underflow``: the
+    ``align_points``: the rescale nodes ``insert_grad_scaling`` inserted. ``watched``: the
+    forward-overflow checks ``insert_overflow_checks`` inserted (values watched at run time);
+    ``float32_for_overflow``: ops kept in float32 for forward overflow (``GraphDiff.overflow``).
+    ``max_underflow``: the
     worst predicted float16 underflow rate (at scale 1) among the gradients a scale point could
     govern (placed or not), ``max_underflow_node`` the node a point there would follow and
     ``max_underflow_layer`` its module.
@@ -182,6 +213,8 @@ class DiffSummary:
     scale_points: int
     unscale_points: int
     align_points: int
+    watched: int
+    float32_for_overflow: int
     max_underflow: float | None
     max_underflow_node: str | None
     max_underflow_layer: str | None
@@ -201,12 +234,17 @@ class DiffSummary:
 
 @dataclass(frozen=True)
 class GraphDiff:
-    """What the pipeline changed, node by node, in the forward and the backward graphs."""
+    """What the pipeline changed, node by node, in the forward and the backward graphs.
+
+    ``scale_ops``: the gradient rescale points; ``overflow``: the ops kept in float32 for forward
+    overflow, in graph order.
+    """
 
     forward: GraphSection
     backward: GraphSection
     summary: DiffSummary
     scale_ops: tuple[ScaleInfo, ...] = field(default=())
+    overflow: tuple[OverflowDecision, ...] = field(default=())
 
     def to_text(self, *, color: bool = False, backward_only: bool = False, expand_scale_ops: bool = False) -> str:
         """A unified diff of the readable graphs, with provenance annotations.

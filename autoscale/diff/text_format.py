@@ -2,7 +2,9 @@
 
 Every node is a line as ``autoscale.inspect.format_graph`` prints it, prefixed ``-``/``+`` where the
 pipeline removed, inserted or changed it and annotated with the pass that did it and why; a rescale
-point's backward is one line unless expanded. Colours are ANSI escapes, only when asked for.
+point's backward is one line unless expanded. The header lists the ops kept in float32 for forward
+overflow, one line each. Colours are ANSI escapes, only when asked for (overflow checks dimmed:
+they only watch a value).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def render_text(d: GraphDiff, *, color: bool, backward_only: bool, expand: bool)
 
     s = d.summary
     out = [paint("hdr", f"autoscale diff: {s}")]
-    out.extend("  " + line for line in summary_details(s, d))
+    out.extend("  " + line for line in summary_details(s, d, decisions=True))
     sections = [d.backward] if backward_only else [d.forward, d.backward]
     infos = {(i.graph, i.node): i for i in d.scale_ops}
     for section in sections:
@@ -64,7 +66,7 @@ def _text_lines(e: NodeEntry, paint: Callable[[str, str], str]) -> list[str]:
         return [f"  {e.after}"]
     if e.status == "removed":
         return [paint("-", f"- {e.before}{_removed_note(e)}")]
-    style = "scale" if e.kind in ("scale", "unscale", "align") or e.scale_op else "+"
+    style = "scale" if e.kind in ("scale", "unscale", "align") or e.scale_op else "dim" if e.kind == "check" else "+"
     plus = paint(style, f"+ {e.after}{_entry_note(e)}")
     return [plus] if e.status == "inserted" else [paint("-", f"- {e.before}"), plus]
 
