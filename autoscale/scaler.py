@@ -103,6 +103,7 @@ class GradScaler:
         self._group = process_group
         self._agreed = False  # this step's flags are already reduced across ranks
         self._decided: bool | None = None  # this step's overflow flag, when step() synced for it
+        self._alarm = False  # whether this step's forward peaks call for a look (read with ``_decided``)
         # Whether scale() multiplies: adaptive mode's loss scale stays 1 unless update(new_scale) sets one.
         self._multiplies = cfg.mode not in ("none", "adaptive")
         self._streak = 0  # consecutive steps non-finite with nothing left to promote
@@ -175,7 +176,7 @@ class GradScaler:
         if stage is _Stage.READY:
             self.unscale_(optimizer)
         self._stages[id(optimizer)] = _Stage.STEPPED
-        self._decided = bool(self._overflowed().item())  # the one host sync, as in torch.amp
+        self._decided, self._alarm = self._flags()  # the one host sync, as in torch.amp
         if self._decided:
             return None
         return optimizer.step(*args, **kwargs)
@@ -293,6 +294,14 @@ class GradScaler:
             flagged = flagged + self._state.stats[:, STAT["nonfinite"]].sum()
         return (flagged > 0).float()
 
+    def _flags(self) -> tuple[bool, bool]:
+        """This step's overflow flag and whether its forward peaks call for a look, in one host sync."""
+        overflow = self._overflowed()
+        if self._state is None or not self._state.forward.sites:
+            return bool(overflow.item()), False
+        flags = torch.stack([overflow > 0, self._state.forward.alarm(self._state.peaks)]).tolist()
+        return bool(flags[0]), bool(flags[1])
+
     def _world(self) -> int:
         """How many ranks decide together (1 without torch.distributed)."""
         if not (dist.is_available() and dist.is_initialized()):
@@ -400,11 +409,12 @@ class GradScaler:
     def _watch_forward(self, overflow: torch.Tensor | bool) -> None:
         """Read this step's forward peaks when they call for it, act on them, and clear them.
 
-        ``overflow`` is the step's skip flag. On CPU, and when ``step`` has already synced for it,
-        the peaks are read at once, and only when a peak is in alarm or the step was skipped (one
-        flag read otherwise). Otherwise (CUDA with a fused optimizer: no sync anywhere) they are
-        copied to the host without waiting and read at the next update: the skip itself is decided
-        on the device from the gradients; only the diagnosis and the repair come a step later.
+        ``overflow`` is the step's skip flag. The peaks are read only when a peak is in alarm or the
+        step was skipped: ``step`` reads that with its overflow flag, in its one host sync; on CPU
+        (no sync to save) it is read here. With a fused optimizer on CUDA nothing syncs: the peaks
+        are copied to the host without waiting and read at the next update. The skip itself is
+        always decided on the device, from the gradients; only the diagnosis and the repair may
+        come a step later.
         """
         assert self._state is not None
         forward, peaks = self._state.forward, self._state.peaks
@@ -413,12 +423,18 @@ class GradScaler:
         if self._pending is not None and self._pending[1].query():
             (host, _), self._pending = self._pending, None
             self._act(host[:-1], skipped=bool(host[-1]), step=self._steps)  # (the last step's, numbered from 1)
-        look = forward.alarm(peaks) | (overflow > 0 if isinstance(overflow, torch.Tensor) else overflow)
-        if peaks.device.type == "cpu" or self._decided is not None:
-            if bool(look):
-                self._act(peaks.cpu(), skipped=bool(overflow), step=self._steps + 1)
-            else:
-                self._streak = 0
+        look: bool | None
+        if self._decided is not None:  # step() read the alarm with the overflow flag, in its one sync
+            look, skipped = self._alarm or self._decided, self._decided
+        elif peaks.device.type == "cpu":
+            skipped = bool(overflow)
+            look = skipped or bool(forward.alarm(peaks))
+        else:
+            look = None  # (no sync: read at the next update)
+        if look:
+            self._act(peaks.cpu(), skipped=skipped, step=self._steps + 1)
+        elif look is False:
+            self._streak = 0
         elif self._pending is None:
             host = torch.empty(len(peaks) + 1, pin_memory=True)
             host.copy_(torch.cat([peaks, torch.as_tensor(overflow, device=peaks.device).float().view(1)]),
