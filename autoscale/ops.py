@@ -68,8 +68,8 @@ STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5,
 NUM_STATS = len(STAT)
 
 
-@torch.library.custom_op("autoscale::attach", mutates_args=("stats", "watch"))
-def attach(scales: torch.Tensor, stats: torch.Tensor, watch: torch.Tensor, layout: str, moments: bool,
+@torch.library.custom_op("autoscale::attach", mutates_args=("stats", "peaks"))
+def attach(scales: torch.Tensor, stats: torch.Tensor, peaks: torch.Tensor, layout: str, moments: bool,
            promoted: str) -> None:
     """Does nothing. ``GradScaler`` calls it at the top of the model's forward so that Dynamo lifts
     the state tensors into the graph as inputs; the backend finds it, reads ``layout`` (the layer
@@ -79,7 +79,7 @@ def attach(scales: torch.Tensor, stats: torch.Tensor, watch: torch.Tensor, layou
 
 
 @attach.register_fake
-def _(scales: torch.Tensor, stats: torch.Tensor, watch: torch.Tensor, layout: str, moments: bool,
+def _(scales: torch.Tensor, stats: torch.Tensor, peaks: torch.Tensor, layout: str, moments: bool,
       promoted: str) -> None:
     return None
 
@@ -89,7 +89,7 @@ class Attached(NamedTuple):
 
     scales: Any
     stats: Any
-    watch: Any
+    peaks: Any
     layout: str
     moments: bool
     promoted: str

@@ -207,7 +207,7 @@ def markdown(results: list[RunResult], *, seeds: int, machine: str, minutes: flo
                 continue
             finals = [r.losses[-1] if r.losses else math.nan for r in runs]
             gaps = [_gap(r, ref[r.seed]) for r in runs]
-            stopped = [f"step {len(r.losses) - 1}" if r.stopped else "-" for r in runs]
+            stopped = [f"step {len(r.losses)}" if r.stopped else "-" for r in runs]
             lines.append(
                 f"| {method} | {_each([r.nonfinite for r in runs])} | {_each([r.skipped for r in runs])} | "
                 f"{_each([r.recompiles for r in runs]) if method == 'autoscale' else '-'} | {_each(finals)} | "

@@ -53,7 +53,7 @@ def predict_overflow(gm: GraphModule, cfg: Config) -> PassResult:
     for n, key in keys.items():
         n.meta[KEY] = key
     if found is not None:
-        gm.meta[PEAKS_INPUT_KEY] = list(graph.find_nodes(op="placeholder")).index(found[1].watch)
+        gm.meta[PEAKS_INPUT_KEY] = list(graph.find_nodes(op="placeholder")).index(found[1].peaks)
     if cfg.dtype != torch.float16:
         return PassResult(gm, modified=False, counts={"predicted": 0, "promoted": 0})
     limit = cfg.overflow.threshold * FP16_MAX
