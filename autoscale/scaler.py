@@ -396,8 +396,9 @@ class GradScaler:
             self._sum_stats()
         bound = self._paper_scales(self._state.stats) if due and cfg.rule == "paper" else None
         high = SCALE_RANGE[1] if cfg.scale_upper_bound is None else min(SCALE_RANGE[1], cfg.scale_upper_bound)
-        forward = self._state.forward
-        explained = forward.outputs_nonfinite(self._state.peaks) if forward.sites else None
+        # whether the forward explains an overflow (not asked when step() knows there is none)
+        asked = self._state.forward.sites and self._decided is not False
+        explained = self._state.forward.outputs_nonfinite(self._state.peaks) if asked else None
         return adaptive_update(self._state.scales, self._state.stats, self._last_stats, self._overflows,
                                self._skips, self._found_inf, bound, due=due, backoff=cfg.backoff_factor,
                                growth=cfg.growth_factor, high=high,

@@ -3,9 +3,10 @@
 What the analysis cannot predict — weights that grow during training, an unusual batch — shows at
 run time. This pass puts ``autoscale.ops.watch(x, peaks, slot)`` after
 
-* every float16 GEMM/convolution output and every float16 elementwise result (allow and infer
-  ops: the ops that make new magnitudes; data movement only moves them, and a masked fill with
-  -inf is not an overflow);
+* every float16 GEMM/convolution output and every float16 elementwise result that can grow
+  (allow and infer ops, but the ``op_tables.BOUNDED`` ones such as GELU or tanh, which are never
+  larger than their input; data movement only moves values, and a masked fill with -inf is not
+  an overflow);
 * every cast of a float32 value into float16 (the rounding itself can overflow: a float32
   residual stream cast for the next GEMM, an unnormalized input), but a parameter's (a weight
   that grows overflows the GEMM it feeds first, which is watched). The check reads the float32
@@ -54,7 +55,7 @@ from .graph_utils import (
     tensor_val,
 )
 from .manager import PassResult
-from .op_tables import Category, category_of
+from .op_tables import BOUNDED, Category, category_of
 from .predict_overflow import PEAKS_INPUT_KEY
 
 if TYPE_CHECKING:
@@ -125,9 +126,11 @@ def _site(n: Node, cfg: Config, is_output: bool) -> tuple[str, SiteKind, str, No
     key = n.meta.get(KEY)
     if key is None or cast is not None:
         return None
-    category = category_of(op_name(n) or "", cfg.op_overrides)
+    name = op_name(n) or ""
+    category = category_of(name, cfg.op_overrides)
     if float_dtype(n) == cfg.dtype:
-        return (key, "float16", f"{category.value} op in {dtype_name(cfg.dtype)}", n, n) if category in _GROWS else None
+        grows = category in _GROWS and name not in BOUNDED
+        return (key, "float16", f"{category.value} op in {dtype_name(cfg.dtype)}", n, n) if grows else None
     reason = n.meta.get(PROVENANCE_KEY, {}).get("reason", "")
     if reason.startswith(OVERFLOW_REASON):  # kept in float32 by convert_precision, for forward overflow
         return key, "float32", reason, n, n

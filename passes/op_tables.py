@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
-    "ALLOW", "CLEAR", "DENY", "FIXED", "INFER", "META", "VIEWS", "Category", "category_of", "deny_reason",
+    "ALLOW", "BOUNDED", "CLEAR", "DENY", "FIXED", "INFER", "META", "VIEWS", "Category", "category_of", "deny_reason",
 ]
 
 
@@ -93,6 +93,15 @@ INFER: Final = frozenset({
     "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
     "_adaptive_avg_pool2d", "interpolate", "upsample_nearest2d", "upsample_bilinear2d",
     "pixel_shuffle", "pixel_unshuffle", "hypot",
+})
+
+# Infer ops whose result is never larger in magnitude than their input (or than a small constant):
+# they cannot overflow float16 where their input did not, so the forward's overflow checks skip them.
+BOUNDED: Final = frozenset({
+    "gelu", "silu", "mish", "tanh", "sigmoid", "hardsigmoid", "hardswish", "elu", "celu", "leaky_relu", "rrelu",
+    "glu", "logsigmoid", "softsign", "tanhshrink", "sin", "cos", "erf", "erfc", "atan", "sign", "avg_pool1d",
+    "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+    "_adaptive_avg_pool2d", "pixel_shuffle", "pixel_unshuffle",
 })
 
 CLEAR: Final = frozenset({
