@@ -333,7 +333,7 @@ class GradScaler:
             stats, peaks = self._state.stats, self._state.peaks
             # (the forward's peaks too, so that every rank promotes the same ops; nan as inf: MAX may drop nan)
             parts += [stats[:, STAT["nonfinite"]], stats[:, STAT["amax"]], -self._state.scales,
-                      torch.nan_to_num(peaks, nan=math.inf)]
+                      torch.nan_to_num(peaks, nan=math.inf, posinf=math.inf)]
         packed = torch.cat(parts)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group)
         self._found_inf.copy_(packed[0])

@@ -9,8 +9,9 @@ run time. This pass puts ``autoscale.ops.watch(x, peaks, slot)`` after
   an overflow);
 * every cast of a float32 value into float16 (the rounding itself can overflow: a float32
   residual stream cast for the next GEMM, an unnormalized input), but a parameter's (a weight
-  that grows overflows the GEMM it feeds first, which is watched). The check reads the float32
-  source, so it sees the magnitude the cast loses;
+  that grows overflows the GEMM it feeds first, which is watched) and a normalization's output
+  predicted far inside the range (``_normalized``). The check reads the float32 source, so it
+  sees the magnitude the cast loses;
 * every op kept in float32 because of forward overflow, and the graph's float outputs.
 
 A value non-finite in float32 too (the log of 0) is named by the first cast of it into float16 (its
@@ -37,7 +38,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from autoscale.ops import watch
+from autoscale.ops import FP16_MAX, watch
 from autoscale.overflow import CAST_SUFFIX, OVERFLOW_REASON, Site, SiteKind
 
 from .analyze_underflow import MOMENTS_KEY
@@ -55,7 +56,7 @@ from .graph_utils import (
     tensor_val,
 )
 from .manager import PassResult
-from .op_tables import BOUNDED, Category, category_of
+from .op_tables import BOUNDED, NORMALIZATIONS, Category, category_of
 from .predict_overflow import PEAKS_INPUT_KEY
 
 if TYPE_CHECKING:
@@ -66,6 +67,9 @@ __all__ = ["SITES_KEY", "insert_overflow_checks"]
 PASS = "insert_overflow_checks"
 SITES_KEY = "autoscale_sites"
 OUTPUT_SUFFIX = "@output"
+CAST_MARGIN = 2.0**8
+"""How far below the threshold a normalized value's predicted max must be for its cast into float16
+to go unwatched (``_normalized``): norm weights grow, but not 256-fold."""
 _GROWS = (Category.ALLOW, Category.INFER)
 
 
@@ -118,7 +122,8 @@ def _site(n: Node, cfg: Config, is_output: bool) -> tuple[str, SiteKind, str, No
     if cast is not None and n.meta.get(PROVENANCE_KEY, {}).get("pass") == "convert_precision":
         source, dtype = cast
         parameter = source.op == "placeholder" and getattr(tensor_val(source), "requires_grad", False)
-        if dtype == cfg.dtype and float_dtype(source) == torch.float32 and KEY in source.meta and not parameter:
+        if (dtype == cfg.dtype and float_dtype(source) == torch.float32 and KEY in source.meta and not parameter
+                and not _normalized(source, cfg)):
             return source.meta[KEY] + CAST_SUFFIX, "cast", f"cast into {dtype_name(dtype)}", source, source
     if is_output and float_dtype(n) != cfg.dtype and (keyed := _keyed(n)) is not None:
         # an output in float32: where a non-finite value reaches the loss, whatever computed it
@@ -135,6 +140,27 @@ def _site(n: Node, cfg: Config, is_output: bool) -> tuple[str, SiteKind, str, No
     if reason.startswith(OVERFLOW_REASON):  # kept in float32 by convert_precision, for forward overflow
         return key, "float32", reason, n, n
     return None
+
+
+def _normalized(source: Node, cfg: Config) -> bool:
+    """Whether a value cast into float16 is a normalization's output, through data movement and
+    bounded ops (a batch norm's ReLU, a layer norm's output for q, k and v), predicted well inside
+    the range: its cast goes unwatched. Its check would be a pass over the float32 value of its own
+    (Inductor does not fuse it into the norm's kernels: 6% of the overhead benchmark's CNN step for
+    its two), and a normalized value is bounded by its affine weights: a non-finite one comes from
+    the norm's input, which is watched where it was made."""
+    moments = source.meta.get(MOMENTS_KEY, {}).get("value")
+    if moments is None or moments.amax * CAST_MARGIN >= cfg.overflow.threshold * FP16_MAX:
+        return False
+    n: object = source
+    while isinstance(n, Node) and n.op in ("call_function", "call_method"):
+        name = op_name(n) or ""
+        if name in NORMALIZATIONS:
+            return True
+        if category_of(name, cfg.op_overrides) is not Category.CLEAR and name not in BOUNDED and cast_of(n) is None:
+            return False
+        n = n.args[0] if n.args else None
+    return False
 
 
 def _keyed(n: Node) -> Node | None:

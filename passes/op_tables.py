@@ -26,7 +26,8 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
-    "ALLOW", "BOUNDED", "CLEAR", "DENY", "FIXED", "INFER", "META", "VIEWS", "Category", "category_of", "deny_reason",
+    "ALLOW", "BOUNDED", "CLEAR", "DENY", "FIXED", "INFER", "META", "NORMALIZATIONS", "VIEWS", "Category",
+    "category_of", "deny_reason",
 ]
 
 
@@ -57,6 +58,14 @@ _NORM = "normalization statistics need float32"
 _LOSS = "losses are computed in float32"
 _SOFTMAX = "softmax exponentiates: float32 avoids overflow"
 
+# Normalizations: their outputs have a spread set by their affine weights, whatever their input's.
+NORMALIZATIONS: Final = frozenset({
+    "layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "local_response_norm",
+    "native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training", "_fused_rms_norm",
+    "weight_norm",
+})
+
 DENY: Final[Mapping[str, str]] = MappingProxyType({
     **dict.fromkeys(
         ("exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "pow", "float_power", "reciprocal",
@@ -70,12 +79,7 @@ DENY: Final[Mapping[str, str]] = MappingProxyType({
         _REDUCE),
     **dict.fromkeys(("softmax", "log_softmax", "softmin", "_softmax", "_log_softmax",
                      "gumbel_softmax"), _SOFTMAX),
-    **dict.fromkeys(
-        ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "local_response_norm",
-         "native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
-         "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
-         "_fused_rms_norm", "weight_norm"),
-        _NORM),
+    **dict.fromkeys(NORMALIZATIONS, _NORM),
     **dict.fromkeys(
         ("cross_entropy", "nll_loss", "nll_loss_forward", "nll_loss2d", "mse_loss", "l1_loss",
          "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",

@@ -5,9 +5,10 @@ the script ``test_distributed.py`` runs.
 
 Each rank trains benchmarks.reliability's 4-layer MLP (compiled with ``backend="autoscale"``,
 wrapped in DDP) on its own batches with autoscale's adaptive GradScaler. At the steps in
-``INJECTED`` rank 1 alone writes inf or nan into one layer's activation gradient. Each rank saves
-to ``OUT/rank{r}.pt``: its weights, optimizer state, per-layer scales and the steps its scaler
-skipped.
+``INJECTED`` rank 1 alone writes inf or nan into one layer's activation gradient, and at
+``FORWARD_OVERFLOW`` its batch is 1e5 times larger, so that its forward overflows float16 (the cast
+of the input): both ranks must promote the same op. Each rank saves to ``OUT/rank{r}.pt``: its
+weights, optimizer state, per-layer scales (and promotions) and the steps its scaler skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ WORLD, BATCH = 2, 32
 # step -> (layer, mode): modes 1..4 are benchmarks.reliability.KINDS
 INJECTED = {3: (1, 1), 7: (3, 2), 8: (0, 3), 12: (2, 4)}
 assert all(0 <= layer < LAYERS and 1 <= mode <= len(KINDS) for layer, mode in INJECTED.values())
+FORWARD_OVERFLOW = 5
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +52,8 @@ def _worker(rank: int, steps: int, out: Path) -> None:
         skipped = []
         for step in range(steps):
             x, y = _batch(rank, step)
+            if rank == 1 and step == FORWARD_OVERFLOW:
+                x = x * 1e5
             net.modes.zero_()
             if rank == 1 and step in INJECTED:
                 layer, mode = INJECTED[step]

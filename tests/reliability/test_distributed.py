@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 import autoscale
 from autoscale.ops import STAT
 from tests.helpers import assert_identical
-from tests.reliability.distributed import INJECTED, WORLD
+from tests.reliability.distributed import FORWARD_OVERFLOW, INJECTED, WORLD
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 16
@@ -32,8 +32,11 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) ->
                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    # rank 1 alone injected; both ranks skipped exactly those steps
-    assert rank0["skipped"] == rank1["skipped"] == sorted(INJECTED)
+    # rank 1 alone injected (and overflowed its forward once); both ranks skipped exactly those steps
+    assert rank0["skipped"] == rank1["skipped"] == sorted([*INJECTED, FORWARD_OVERFLOW])
+    # and both promoted the same op, the cast of the input, at that step (counted from 1)
+    (promoted,) = rank0["scaler"]["forward"]["promoted"]
+    assert promoted["key"].startswith("input:") and promoted["step"] == FORWARD_OVERFLOW + 1
     assert_identical(rank0["weights"], rank1["weights"])
     assert all(torch.isfinite(w).all() for w in rank0["weights"].values())
     assert_identical(rank0["optimizer"], rank1["optimizer"])
