@@ -198,8 +198,8 @@ def markdown(results: list[RunResult], *, seeds: int, machine: str, minutes: flo
         lines += [f"### {case.title}", "",
                   f"{steps} steps per run. Per method: mean over seeds (per-seed values in brackets).", "",
                   "| method | non-finite losses | skipped steps | recompiles | final loss | gap to float32 "
-                  "(of initial loss) | stopped |",
-                  "|---|---|---|---|---|---|---|"]
+                  "(of initial loss) | stopped | seconds (compiles included) |",
+                  "|---|---|---|---|---|---|---|---|"]
         ref = {r.seed: r for r in rows if r.method == "float32"}
         for method in METHODS:
             runs = [r for r in rows if r.method == method]
@@ -211,7 +211,10 @@ def markdown(results: list[RunResult], *, seeds: int, machine: str, minutes: flo
             lines.append(
                 f"| {method} | {_each([r.nonfinite for r in runs])} | {_each([r.skipped for r in runs])} | "
                 f"{_each([r.recompiles for r in runs]) if method == 'autoscale' else '-'} | {_each(finals)} | "
-                f"{_each(gaps)} | {', '.join(stopped)} |")
+                f"{_each(gaps)} | {', '.join(stopped)} | {_each([r.seconds for r in runs])} |")
+        amp = [r for r in rows if r.method == "torch.amp"]
+        if amp:
+            lines.append(f"\ntorch.amp's loss scale at the end: {', '.join(f'{r.final_scale:.3g}' for r in amp)}")
         ours = [r for r in rows if r.method == "autoscale"]
         for r in ours:
             what = []
