@@ -5,8 +5,9 @@ The compiled forward folds ``max |x|`` of every watched value into a slot of the
 module is the host side: :class:`ForwardSites` keeps which site each slot is (a graph node, named
 by module path and op) and which sites were promoted to float32; :func:`diagnose` reads one step's
 peaks and says which sites overflowed first (not merely downstream of another), which came near
-float16's max, and which were non-finite though computed in float32. The ``GradScaler`` acts on
-that: promote, warn, or raise.
+float16's max, and which were non-finite though computed in float32; ``ForwardSites.repair``
+promotes what it can and says what it cannot. The ``GradScaler`` decides when to read the peaks,
+and warns or raises when a repair is stuck.
 
 A site is one of three kinds:
 
@@ -42,7 +43,7 @@ import torch
 from autoscale.ops import FP16_MAX, PROMOTED_SEP
 
 __all__ = ["CAST_SUFFIX", "OVERFLOW_REASON", "Diagnosis", "ForwardSites", "NonFiniteForwardError", "Promotion",
-           "Site", "SiteKind", "describe", "diagnose"]
+           "Repair", "Site", "SiteKind", "describe", "diagnose"]
 
 log = logging.getLogger("autoscale")
 
@@ -204,6 +205,48 @@ class ForwardSites:
         for site in dumped.get("sites", ()):
             self.register(Site(**{**site, "upstream": tuple(site["upstream"])}), float(dumped["threshold"]))
 
+    def repair(self, peaks: torch.Tensor, *, skipped: bool, step: int, max_recompiles: int) -> Repair:
+        """Diagnose one step's ``peaks`` and promote what overflowed or came near float16's max
+        (one recompile for them all, within ``max_recompiles``). On a skipped step, also say what
+        promotion cannot help, and why (``Repair.stuck``)."""
+        found = diagnose(self.sites, peaks, self.threshold, skipped=skipped)
+        wanted: dict[str, Promotion] = {}
+        for i in (*found.overflowed, *found.near):
+            key, why = self.sites[i].promotes, "overflowed" if i in found.overflowed else "near float16's max"
+            wanted.setdefault(key, Promotion(key, step, found.peaks[i], why))
+        new = [p for key, p in wanted.items() if key not in self.promoted]
+        added: list[Promotion] = []
+        if new and self.recompiles < max_recompiles:
+            added = self.promote(new)
+            self.recompiles += 1
+        repaired = {p.key for p in added}
+        unrepaired = tuple(i for i in found.overflowed if self.sites[i].promotes not in repaired)
+        stuck = ""
+        if skipped and found.float32:
+            stuck = (f"{self.describe_slots(found, found.float32)}; computed in float32, so promoting cannot help: "
+                     "this is a model or data problem (log or division of 0, sqrt of a negative, an inf/nan in the "
+                     "batch)")
+        elif skipped and unrepaired and all(self.sites[i].promotes in self.promoted for i in unrepaired):
+            stuck = (f"{self.describe_slots(found, unrepaired)}; already promoted, but this graph still computes it in "
+                     "float16: a graph after a graph break is not recompiled for a promotion (compile the model "
+                     "without graph breaks), and a loaded converted module keeps its saved graph (convert the "
+                     "model again: autoscale.convert applies the scaler's promotions)")
+        elif skipped and unrepaired:
+            stuck = (f"{self.describe_slots(found, unrepaired)}; not promoted: "
+                     f"OverflowConfig.max_recompiles={max_recompiles} spent")
+        return Repair(found, tuple(added), stuck)
+
+    def describe_slots(self, found: Diagnosis, slots: Iterable[int]) -> str:
+        """The sites at ``slots`` with what this step saw, for messages."""
+        return "; ".join(describe(self.sites[i], found.peaks[i]) for i in slots)
+
+    def events(self, repair: Repair) -> dict[str, Any]:
+        """What ``repair`` found and did, as the telemetry records it."""
+        found = repair.found
+        return {"promoted": [p.as_dict() for p in repair.added],
+                "overflowed": [self.sites[i].key for i in found.overflowed],
+                "float32_nonfinite": [self.sites[i].key for i in found.float32]}
+
     def float32_sites(self) -> list[Site]:
         """The sites computed in float32 because of forward overflow (predicted or learnt)."""
         return [s for s in self.sites if s.kind == "float32" and s.reason.startswith(OVERFLOW_REASON)]
@@ -223,6 +266,16 @@ class Diagnosis:
     overflowed: tuple[int, ...]
     near: tuple[int, ...]
     float32: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What ``ForwardSites.repair`` did with one step's peaks: the diagnosis, the promotions it
+    added, and, on a skipped step that promotion cannot fix, what and why (else "")."""
+
+    found: Diagnosis
+    added: tuple[Promotion, ...]
+    stuck: str
 
 
 def diagnose(sites: Sequence[Site], peaks: torch.Tensor, threshold: float, *, skipped: bool) -> Diagnosis:

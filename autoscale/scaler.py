@@ -34,7 +34,7 @@ from torch import nn
 
 from autoscale.config import Config, OverflowConfig, ScalingConfig
 from autoscale.ops import FP16_MAX, SCALE_RANGE, STAT, headroom
-from autoscale.overflow import Diagnosis, NonFiniteForwardError, Promotion, describe, diagnose
+from autoscale.overflow import NonFiniteForwardError, Promotion
 from autoscale.runtime import LOSS_ROW, ScaleState, install_state, unwrap
 
 __all__ = ["GradScaler", "LayerReport"]
@@ -446,54 +446,28 @@ class GradScaler:
         peaks.zero_()
 
     def _act(self, peaks: torch.Tensor, *, skipped: bool, step: int) -> None:
-        """Promote what overflowed or came near float16's max; on a skipped step, name what
-        promotion cannot help and raise if it persists (see ``OverflowConfig``). ``step`` counts
-        from 1, as the telemetry does."""
+        """Repair what the peaks show (``ForwardSites.repair``); when a skipped step has something
+        promotion cannot fix, warn, and raise once that has happened ``OverflowConfig.patience``
+        steps in a row. ``step`` counts from 1, as the telemetry does."""
         assert self._state is not None
         forward, cfg = self._state.forward, self.overflow_config
-        found = diagnose(forward.sites, peaks, forward.threshold, skipped=skipped)
-        wanted: dict[str, Promotion] = {}
-        for i in (*found.overflowed, *found.near):
-            key, why = forward.sites[i].promotes, "overflowed" if i in found.overflowed else "near float16's max"
-            wanted.setdefault(key, Promotion(key, step, found.peaks[i], why))
-        new = [p for key, p in wanted.items() if key not in forward.promoted]
-        added: list[Promotion] = []
-        if new and forward.recompiles < cfg.max_recompiles:
-            added = forward.promote(new)
-            forward.recompiles += 1
+        repair = forward.repair(peaks, skipped=skipped, step=step, max_recompiles=cfg.max_recompiles)
+        self._events = forward.events(repair)
+        if repair.added:
+            seen = forward.describe_slots(repair.found, repair.found.overflowed + repair.found.near)
             log.warning("forward overflow at step %d: %s; computing %s in float32 from the next step "
-                        "(recompile %d of at most %d)", step, self._sites(found, found.overflowed + found.near),
-                        ", ".join(p.key for p in added), forward.recompiles, cfg.max_recompiles)
-        self._events = {"promoted": [p.as_dict() for p in added],
-                        "overflowed": [forward.sites[i].key for i in found.overflowed],
-                        "float32_nonfinite": [forward.sites[i].key for i in found.float32]}
-        repaired = {p.key for p in added}
-        unrepaired = tuple(i for i in found.overflowed if forward.sites[i].promotes not in repaired)
-        if not skipped or not (found.float32 or unrepaired):
+                        "(recompile %d of at most %d)", step, seen, ", ".join(p.key for p in repair.added),
+                        forward.recompiles, cfg.max_recompiles)
+        if not repair.stuck:
             self._streak = 0  # a good step, a gradient overflow (the scales' business), or repaired now
             return
         self._streak += 1
-        if found.float32:
-            origins, why = found.float32, (
-                "computed in float32, so promoting cannot help: this is a model or data problem (log or division "
-                "of 0, sqrt of a negative, an inf/nan in the batch)")
-        elif all(forward.sites[i].promotes in forward.promoted for i in unrepaired):
-            origins, why = unrepaired, (
-                "already promoted, but this graph still computes it in float16: a graph after a graph break is "
-                "not recompiled for a promotion (compile the model without graph breaks), and a converted module "
-                "keeps its graph (run autoscale.convert again: it applies the scaler's promotions)")
-        else:
-            origins, why = unrepaired, f"not promoted: OverflowConfig.max_recompiles={cfg.max_recompiles} spent"
-        message = (f"the forward is non-finite at step {step}: {self._sites(found, origins)}; {why}. "
+        message = (f"the forward is non-finite at step {step}: {repair.stuck}. "
                    f"The step was skipped ({self._streak} in a row)")
         if self._streak >= cfg.patience:
             raise NonFiniteForwardError(message + f"; stopping after OverflowConfig.patience={cfg.patience} such "
                                         "steps rather than skipping forever")
         log.warning("%s; GradScaler raises after %d in a row", message, cfg.patience)
-
-    def _sites(self, found: Diagnosis, slots: tuple[int, ...]) -> str:
-        assert self._state is not None
-        return "; ".join(describe(self._state.forward.sites[i], found.peaks[i]) for i in slots)
 
     def _paper_scales(self, stats: torch.Tensor) -> torch.Tensor:
         """The IJCAI 2020 rule per row: s_uf from the predicted spread of the layer's GEMM output,

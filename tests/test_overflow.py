@@ -323,8 +323,8 @@ def test_a_value_non_finite_in_float32_too_is_named_and_stops_the_run() -> None:
 
     step()
     step()
-    with pytest.raises(NonFiniteForwardError, match=r"\(log, float32 -> float16\): inf \[overflow_models\.py:\d+: h = torch\.log"
-                                                    r".*promoting cannot help.*3 in a row"):
+    where = r"\(log, float32 -> float16\): inf \[overflow_models\.py:\d+: h = torch\.log"
+    with pytest.raises(NonFiniteForwardError, match=where + r".*promoting cannot help.*3 in a row"):
         step()
     assert scaler.skipped_steps == 3 and not scaler.promotions()
     assert_identical(model.state_dict(), weights)

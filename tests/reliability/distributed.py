@@ -13,6 +13,7 @@ weights, optimizer state, per-layer scales (and promotions) and the steps its sc
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from pathlib import Path
@@ -40,6 +41,8 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _worker(rank: int, steps: int, out: Path) -> None:
+    # a rank stuck in a collective prints where, before the test's own timeout kills it silently
+    faulthandler.dump_traceback_later(240, exit=True)
     dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
     try:
         torch.manual_seed(0)
