@@ -302,7 +302,7 @@ def _expect(f: Callable[[torch.Tensor], torch.Tensor], m: Moments) -> tuple[floa
 
 _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
-    "elu": F.elu, "leaky_relu": F.leaky_relu, "relu6": F.relu6, "hardtanh": F.hardtanh, "softplus": F.softplus,
+    "elu": F.elu, "leaky_relu": F.leaky_relu, "relu6": F.relu6, "softplus": F.softplus,
     "mish": F.mish, "hardswish": F.hardswish, "abs": torch.abs, "neg": torch.neg, "square": torch.square,
     "sin": torch.sin, "cos": torch.cos, "erf": torch.erf, "exp": torch.exp,
 }
@@ -327,14 +327,34 @@ def _power(p: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return functools.partial(torch.pow, exponent=p)
 
 
+@functools.cache
+def _clamp(low: float | None, high: float | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """clamp to [low, high] as a function (cached: ``_expect`` caches by the function)."""
+    return functools.partial(torch.clamp, min=low, max=high)
+
+
+# Ops that clamp their input, with where their bounds are: (argument index, keyword, default) each.
+_CLAMPS: dict[str, tuple[tuple[int, str, float | None], tuple[int, str, float | None]]] = {
+    "hardtanh": ((1, "min_val", -1.0), (2, "max_val", 1.0)),  # (what nn.ReLU6 traces to: hardtanh(x, 0, 6))
+    "clamp": ((1, "min", None), (2, "max", None)), "clip": ((1, "min", None), (2, "max", None)),
+    "clamp_min": ((1, "min", None), (9, "", None)), "clamp_max": ((9, "", None), (1, "max", None)),
+}
+
+
 def _elementwise(n: Node) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The function of a unary elementwise op of a Gaussian input (``_expect`` integrates it):
-    a table entry, or ``pow`` with an integer exponent (``x.pow(2)`` in an RMS norm)."""
+    a table entry, ``pow`` with an integer exponent (``x.pow(2)`` in an RMS norm), or a clamp with
+    its own bounds (``hardtanh``'s defaults are [-1, 1], ReLU6's [0, 6])."""
     name = op_name(n) or ""
     if name in _UNARY:
         return _UNARY[name]
     if name == "pow" and len(n.args) > 1 and isinstance(n.args[1], int | float) and float(n.args[1]).is_integer():
         return _power(float(n.args[1]))
+    if name in _CLAMPS:
+        bounds = [n.kwargs.get(key, n.args[at] if len(n.args) > at else default) for at, key, default in _CLAMPS[name]]
+        numbers = [float(b) if isinstance(b, int | float) and not isinstance(b, bool) else b for b in bounds]
+        if all(b is None or isinstance(b, float) for b in numbers):
+            return _clamp(*numbers)  # type: ignore[arg-type]
     return None
 
 
@@ -625,10 +645,38 @@ def _conv_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[N
     x, w = n.args[0], n.args[1]
     assert isinstance(x, Node) and isinstance(w, Node)
     wshape = _shape(w)
-    fan_out = wshape[0] * math.prod(wshape[2:])
+    # How many outputs an input element feeds: its own group's out_channels / groups filters (a
+    # depthwise convolution's one), each at the kernel positions that land on it (fewer with a
+    # stride, and at a small feature map's padded border). The whole out_channels times the kernel
+    # overstated the gradient's spread by up to groups x stride^d, compounded over every depthwise
+    # layer of a MobileNet: its scales were seeded at the floor and its gradients underflowed.
+    groups = n.kwargs.get("groups", n.args[6] if len(n.args) > 6 else 1)
+    per_group = wshape[0] / (groups if isinstance(groups, int) else 1)
+    fan_out = per_group * _taps_per_input(n, x, [int(k) for k in wshape[2:]])
     rows = _numel(n) / wshape[0]  # batch × output positions
     return _gemm_backward(x, w, g, v, out_features=fan_out, rows=rows,
                           bias=n.args[2] if len(n.args) > 2 else None)
+
+
+def _taps_per_input(n: Node, x: Node, kernel: list[int]) -> float:
+    """The kernel taps that land on an input element, on average over the input: per spatial
+    dimension, the (output position, tap) pairs inside the input divided by its size. The kernel's
+    size when the convolution's arguments are not plain integers."""
+    def spatial(at: int, name: str, default: int) -> list[int] | None:
+        value = n.kwargs.get(name, n.args[at] if len(n.args) > at else default)
+        values = list(value) if isinstance(value, list | tuple) else [value] * len(kernel)
+        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        return ints if len(ints) == len(kernel) else None  # (not a string padding, not symbolic)
+
+    stride, padding, dilation = spatial(3, "stride", 1), spatial(4, "padding", 0), spatial(5, "dilation", 1)
+    sizes_in, sizes_out = _shape(x)[-len(kernel):], _shape(n)[-len(kernel):]
+    if stride is None or padding is None or dilation is None or len(sizes_in) != len(kernel):
+        return float(math.prod(kernel))
+    taps = 1.0
+    for k, s, p, d, size_in, size_out in zip(kernel, stride, padding, dilation, sizes_in, sizes_out, strict=True):
+        inside = sum(0 <= o * s - p + t * d < size_in for o in range(int(size_out)) for t in range(k))
+        taps *= inside / max(size_in, 1.0)
+    return taps
 
 
 def _binary_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import operator
 import os
 import re
 from collections.abc import Callable
-from functools import lru_cache, partial
+from functools import cache, lru_cache, partial
 from operator import is_not
 from typing import Any
 
@@ -96,8 +97,22 @@ def _has_inplace_suffix(name: str | None) -> bool:
 
 
 def is_inplace(node: Node) -> bool:
-    """Whether ``node`` mutates its first argument (``relu_``, ``x += y``, ``F.relu(x, inplace=True)``)."""
-    return node.kwargs.get("inplace") is True or _has_inplace_suffix(target_name(node))
+    """Whether ``node`` mutates its first argument (``relu_``, ``x += y``, ``F.relu(x, inplace=True)``,
+    and ``F.hardtanh(x, 0.0, 6.0, True)``: what ``nn.ReLU6(inplace=True)`` traces to)."""
+    if node.kwargs.get("inplace") is True or _has_inplace_suffix(target_name(node)):
+        return True
+    at = _inplace_position(node.target) if node.op == "call_function" else None
+    return at is not None and len(node.args) > at and node.args[at] is True
+
+
+@cache
+def _inplace_position(target: Any) -> int | None:
+    """Where a Python function takes ``inplace`` positionally (``F.hardtanh``: 3), or None."""
+    try:
+        names = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):  # a builtin or an op without a Python signature
+        return None
+    return names.index("inplace") if "inplace" in names else None
 
 
 def op_name(node: Node) -> str | None:

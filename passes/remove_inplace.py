@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import MAY_ALIAS, is_inplace, op_name, provenance
+from .graph_utils import MAY_ALIAS, _inplace_position, is_inplace, op_name, provenance
 from .manager import PassResult
 
 if TYPE_CHECKING:
@@ -46,8 +46,9 @@ def remove_inplace(gm: GraphModule, cfg: Config) -> PassResult:
         mutated = node.args[0]
         assert isinstance(mutated, Node)
         kwargs = {k: v for k, v in node.kwargs.items() if k != "inplace"}
+        args = tuple(False if i == _inplace_position(node.target) else a for i, a in enumerate(node.args))
         with graph.inserting_after(node):
-            functional = graph.create_node(node.op, target, node.args, kwargs)
+            functional = graph.create_node(node.op, target, args, kwargs)
         functional.meta.update(node.meta)
         provenance(functional, PASS, f"{op_name(node)}_ on a private intermediate made out-of-place",
                    created=True)
@@ -65,7 +66,7 @@ def _out_of_place(node: Node) -> Any:
     """The out-of-place twin of an in-place call node, or None."""
     if not is_inplace(node) or not node.args or not isinstance(node.args[0], Node):
         return None
-    if node.kwargs.get("inplace") is True:
+    if node.kwargs.get("inplace") is True or _inplace_position(node.target) is not None:
         return node.target
     if node.op == "call_method":
         return op_name(node)

@@ -90,6 +90,61 @@ class TransformerLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block (torchvision's layout): 1x1 expand conv + BN + ReLU6 (unless the expansion
+    is 1), 3x3 depthwise conv + BN + ReLU6, 1x1 projection conv + BN with no activation, and the
+    residual when the shapes match."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = c_in * expand
+        self.residual = stride == 1 and c_in == c_out
+        expansion = [nn.Conv2d(c_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True)]
+        self.conv = nn.Sequential(
+            *(expansion if expand != 1 else []),
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.residual else self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    """torchvision's MobileNetV2 at width 0.35 (17 inverted-residual blocks, channels rounded to
+    multiples of 8) with its initialisation, written out here: depthwise (grouped) convolutions,
+    ReLU6, and projections whose batch norm feeds the next block's convolution and batch norm."""
+
+    SETTING = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+               (6, 320, 1, 1))  # expansion, channels, blocks, first stride
+
+    def __init__(self, classes: int = 5, width: float = 0.35) -> None:
+        super().__init__()
+
+        def channels(c: float) -> int:
+            return max(8, int(c * width + 4) // 8 * 8)
+
+        c_in = channels(32)
+        layers: list[nn.Module] = [nn.Conv2d(3, c_in, 3, 2, 1, bias=False), nn.BatchNorm2d(c_in),
+                                   nn.ReLU6(inplace=True)]
+        for expand, c, blocks, stride in self.SETTING:
+            for i in range(blocks):
+                layers.append(InvertedResidual(c_in, channels(c), stride if i == 0 else 1, expand))
+                c_in = channels(c)
+        layers += [nn.Conv2d(c_in, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6(inplace=True)]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(1280, classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out")
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.adaptive_avg_pool2d(self.features(x), 1).flatten(1))
+
+
 def mlp_case(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
     """``(model, inputs, targets)`` where the loss is cross-entropy of the model's logits."""
     torch.manual_seed(seed)
@@ -106,3 +161,8 @@ def transformer_case(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]
     torch.manual_seed(seed)
     idx = torch.randint(0, 32, (2, 8))
     return TransformerLM(), (idx, torch.roll(idx, -1, dims=1)), None
+
+
+def mobilenet_case(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
+    torch.manual_seed(seed)
+    return MobileNetV2(), (torch.randn(8, 3, 64, 64),), torch.randint(0, 5, (8,))

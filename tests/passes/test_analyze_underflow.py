@@ -13,11 +13,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoscale
-from autoscale.passes import PassSpec, analyze_underflow, run_stage
+from autoscale.passes import PassSpec, analyze_underflow, remove_inplace, run_stage
 from autoscale.passes.analyze_underflow import MOMENTS_KEY, Moments, calibrate, predicted_underflow, seed_inputs
 from autoscale.passes.graph_utils import op_name
 from tests.helpers import capture
-from tests.models import conv_case, mlp_case, transformer_case
+from tests.models import conv_case, mlp_case, mobilenet_case, transformer_case
 
 CASES = {"mlp": mlp_case, "convnet": conv_case, "transformer": transformer_case}
 PARAMETRIC_GEMMS = ("linear", "conv2d")
@@ -33,7 +33,9 @@ def _analyzed(case: Callable[..., tuple[nn.Module, tuple[torch.Tensor, ...], tor
 
     (gm, example), = capture(loss, *inputs)
     seed_inputs(gm, example)
-    run_stage(gm, autoscale.Config(compute="native"), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+    # (as the pipeline does: an in-place op's result is its input's tensor, whose .grad would be measured twice)
+    run_stage(gm, autoscale.Config(compute="native"), "dynamo",
+              [PassSpec(remove_inplace, "dynamo"), PassSpec(analyze_underflow, "dynamo")])
     return gm, example
 
 
@@ -73,6 +75,40 @@ def test_predicted_std_within_factor_two_at_init(case: str) -> None:
                 checked.append((f"{node.name} grad", _ratio(node.meta[MOMENTS_KEY]["grad"], tensor)))
     assert len(checked) >= 8
     outside = [(name, round(r, 2)) for name, r in checked if not 0.5 <= r <= 2.0]
+    assert not outside, outside
+
+
+def test_depthwise_strided_convolutions_and_relu6_pass_gradients_back_at_the_measured_rate() -> None:
+    """The backward rules of MobileNetV2's ops, each on its own: how much a grouped (depthwise) or
+    strided convolution and ReLU6 (``hardtanh(x, 0, 6)``) change a gradient's spread, predicted
+    against one float32 backward. A depthwise convolution's input element feeds out_channels /
+    groups filters (one), at the kernel taps that land on it (fewer with a stride or at a small
+    map's padded border); ReLU6 passes the gradient where 0 < x < 6, not hardtanh's default
+    (-1, 1). (Taking out_channels x kernel overstated each depthwise layer's gradient up to
+    groups x stride^2-fold: the network's scales were seeded at the floor and its first layers'
+    gradients underflowed to zero, issue 18.) Not asserted, measured here: two of the 1x1
+    convolutions on the last blocks' 2x2 maps pass back 1.5-1.7x less than predicted (a batch
+    norm over 32 values a channel correlates its gradients; at 32x32 images, 1x1 maps, up to 2.8x),
+    and per-channel spreads are not modelled (a batch norm after a depthwise convolution passes
+    back ~1.5x more)."""
+    gm, inputs = _analyzed(mobilenet_case)
+    measured = _measure(gm, inputs)
+    factors = []
+    for n in gm.graph.nodes:
+        stride = n.args[3] if op_name(n) == "conv2d" else 1
+        strided = op_name(n) == "conv2d" and (max(stride if isinstance(stride, tuple | list) else (stride,)) > 1
+                                              or (len(n.args) > 6 and n.args[6] != 1))
+        if not (strided or op_name(n) == "hardtanh") or measured[n].grad is None:
+            continue
+        x = n.args[0]
+        if measured[x].grad is None:  # (the image)
+            continue
+        predicted = x.meta[MOMENTS_KEY]["grad"].std / n.meta[MOMENTS_KEY]["grad"].std
+        actual = float(measured[x].grad.double().std() / measured[n].grad.double().std())
+        groups = n.args[6] if op_name(n) == "conv2d" and len(n.args) > 6 else 1
+        factors.append((n.name, groups, predicted / actual))
+    assert len(factors) >= 20 and any(groups > 1 for _, groups, _ in factors)
+    outside = [(name, groups, round(r, 2)) for name, groups, r in factors if not 1 / 1.5 <= r <= 1.5]
     assert not outside, outside
 
 
