@@ -30,6 +30,7 @@ __all__ = [
     "source_line",
     "dtype_name",
     "float_dtype",
+    "inplace_position",
     "insert_cast",
     "is_attach",
     "is_inplace",
@@ -101,12 +102,12 @@ def is_inplace(node: Node) -> bool:
     and ``F.hardtanh(x, 0.0, 6.0, True)``: what ``nn.ReLU6(inplace=True)`` traces to)."""
     if node.kwargs.get("inplace") is True or _has_inplace_suffix(target_name(node)):
         return True
-    at = _inplace_position(node.target) if node.op == "call_function" else None
+    at = inplace_position(node.target) if node.op == "call_function" else None
     return at is not None and len(node.args) > at and node.args[at] is True
 
 
 @cache
-def _inplace_position(target: Any) -> int | None:
+def inplace_position(target: Any) -> int | None:
     """Where a Python function takes ``inplace`` positionally (``F.hardtanh``: 3), or None."""
     try:
         names = list(inspect.signature(target).parameters)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import MAY_ALIAS, _inplace_position, is_inplace, op_name, provenance
+from .graph_utils import MAY_ALIAS, inplace_position, is_inplace, op_name, provenance
 from .manager import PassResult
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def remove_inplace(gm: GraphModule, cfg: Config) -> PassResult:
         mutated = node.args[0]
         assert isinstance(mutated, Node)
         kwargs = {k: v for k, v in node.kwargs.items() if k != "inplace"}
-        args = tuple(False if i == _inplace_position(node.target) else a for i, a in enumerate(node.args))
+        args = tuple(False if i == inplace_position(node.target) else a for i, a in enumerate(node.args))
         with graph.inserting_after(node):
             functional = graph.create_node(node.op, target, args, kwargs)
         functional.meta.update(node.meta)
@@ -66,7 +66,7 @@ def _out_of_place(node: Node) -> Any:
     """The out-of-place twin of an in-place call node, or None."""
     if not is_inplace(node) or not node.args or not isinstance(node.args[0], Node):
         return None
-    if node.kwargs.get("inplace") is True or _inplace_position(node.target) is not None:
+    if node.kwargs.get("inplace") is True or inplace_position(node.target) is not None:
         return node.target
     if node.op == "call_method":
         return op_name(node)
