@@ -92,18 +92,17 @@ def _paint_in_range(graph: Graph, cfg: Config, pinned: set[Node]) -> dict[Node, 
     inf). Keeping a reader in float32 can make its neighbours float32 in turn, so this repaints
     until no low-precision op reads a marked value; the forced set only grows, so it ends."""
     big = {n for n in graph.nodes if FORWARD_KEY in n.meta}
-    if not big:
-        return _paint(graph, cfg, pinned, {})
-    # (a marked value that is float32 anyway, a norm's statistics, keeps its own reason)
-    free = _paint(graph, cfg, pinned, {})
-    forced = {n: str(n.meta[FORWARD_KEY]) for n in big if n in free and free[n].low}
+    paint = _paint(graph, cfg, pinned, {})
+    forced: dict[Node, str] = {}
     while True:
-        paint = _paint(graph, cfg, pinned, forced)
-        readers = {n: f"{OVERFLOW_REASON}: reads {a.name}, which float16 cannot hold"
-                   for n, d in paint.items() if d.low for a in n.all_input_nodes if a in big}
-        if not readers:
+        # a marked value float32 keeps anyway (a norm's statistics) keeps its own reason
+        wanted = {n: str(n.meta[FORWARD_KEY]) for n in big if n in paint and paint[n].low}
+        wanted.update({n: f"{OVERFLOW_REASON}: reads {a.name}, which float16 cannot hold"
+                       for n, d in paint.items() if d.low and n not in big for a in n.all_input_nodes if a in big})
+        if wanted.keys() <= forced.keys():
             return paint
-        forced.update(readers)
+        forced.update(wanted)
+        paint = _paint(graph, cfg, pinned, forced)
 
 
 def _paint(graph: Graph, cfg: Config, pinned: set[Node], forced: dict[Node, str]) -> dict[Node, _Paint]:
