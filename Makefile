@@ -7,12 +7,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoscale-installed
 
-.PHONY: demo test lint clean chromium bench-numerics
+.PHONY: demo test lint clean chromium bench-numerics bench-zoo
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,bench,dev]"
+	$(PY) -m pip install --quiet -e ".[test,bench,dev,zoo]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -35,6 +35,10 @@ test: $(STAMP) chromium
 # The numerics benchmark (about an hour on 2 cores; --quick: under 3 minutes): docs/results/numerics.md.
 bench-numerics: $(STAMP)
 	$(PY) -m benchmarks.numerics
+
+# The public model zoo with Inductor (about half an hour on 2 cores): docs/results/zoo.md.
+bench-zoo: $(STAMP)
+	$(PY) -m benchmarks.zoo
 
 lint: $(STAMP)
 	$(PY) -m ruff check autoscale passes tests examples benchmarks

@@ -79,7 +79,9 @@ class ScalingConfig:
     init_scale, growth_factor, backoff_factor, growth_interval: torch.amp.GradScaler's, for
                 "dynamic" (``init_scale`` is also the "static" scale). In "adaptive" mode,
                 ``growth_factor`` caps how much a layer's scale may rise per update (it falls at
-                once), and ``backoff_factor`` is what an overflowing layer's scale is multiplied by.
+                once), and ``backoff_factor`` is what an overflowing layer's scale is multiplied by
+                (at most ``2**-margin`` under the "headroom" rule: an overflow there means the
+                layer's gradients grew more than ``2**margin``-fold since it was placed).
     """
 
     mode: ScalingMode = "adaptive"

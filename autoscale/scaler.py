@@ -400,7 +400,7 @@ class GradScaler:
         asked = self._state.forward.sites and self._decided is not False
         explained = self._state.forward.outputs_nonfinite(self._state.peaks) if asked else None
         return adaptive_update(self._state.scales, self._state.stats, self._last_stats, self._overflows,
-                               self._skips, self._found_inf, bound, due=due, backoff=cfg.backoff_factor,
+                               self._skips, self._found_inf, bound, due=due, backoff=adaptive_backoff(cfg),
                                growth=cfg.growth_factor, high=high,
                                headroom=headroom(cfg.margin, self._state.gradient_max), known=self._decided,
                                forward_nonfinite=explained)
@@ -556,6 +556,17 @@ def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch
     new[LOSS_ROW] = scales[LOSS_ROW]
     torch.clamp(new, SCALE_RANGE[0], high, out=scales)
     return overflow
+
+
+def adaptive_backoff(cfg: ScalingConfig) -> float:
+    """What an overflowing layer's scale is multiplied by in adaptive mode. Under the "headroom"
+    rule a layer's scale puts its largest gradient ``2**margin`` below the format's max, so an
+    overflow means its gradients grew more than ``2**margin``-fold since they were measured (or
+    predicted): halving would skip ``margin`` steps in a row before the scale caught up. It backs
+    off by ``2**-margin`` at once (or by ``backoff_factor``, if that is smaller). Seen on
+    ConvNeXt, whose layer scales start at 1e-6: one Adam step makes them ~1e-3, the gradients
+    inside every block grow 1000-fold, and halving skipped ten steps."""
+    return min(cfg.backoff_factor, 2.0**-cfg.margin) if cfg.rule == "headroom" else cfg.backoff_factor
 
 
 def _rule(scales: torch.Tensor, stats: torch.Tensor, bound: torch.Tensor | None, *, growth: float, headroom: float

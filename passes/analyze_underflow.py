@@ -90,11 +90,25 @@ def predicted_underflow(grad: Moments) -> float:
     return 1.0 if sigma == 0 else math.erf(U_MIN / (math.sqrt(2) * sigma))
 
 
+# The size one optimizer step gives a parameter (Adam's default learning rate, 1e-3).
+UPDATE_SIZE = 1e-3
+
+
 def seed_inputs(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
-    """Record the moments of the real example tensors on ``gm``'s placeholders."""
+    """Record the moments of the real example tensors on ``gm``'s placeholders.
+
+    A trainable parameter smaller than ``UPDATE_SIZE`` (ConvNeXt's and CaiT's layer scales start
+    at 1e-6, a zero-initialized gate at 0) is recorded at that size: it will not stay smaller after
+    the first update, and neither will the gradients it multiplies. Seeded at its initial size, the
+    gradients behind a 1e-6 layer scale got scales 2^34 high, and the first Adam step, which moved
+    the layer scale to ~1e-3, made them overflow.
+    """
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=False):
         if isinstance(value, torch.Tensor) and value.dtype.is_floating_point and not value.is_meta:
-            node.meta[SEED_KEY] = Moments.of(value)
+            m = Moments.of(value)
+            if isinstance(value, torch.nn.Parameter) and value.requires_grad and m.ms < UPDATE_SIZE**2:
+                m = Moments(m.mean, UPDATE_SIZE**2, max(m.amax, UPDATE_SIZE))
+            node.meta[SEED_KEY] = m
 
 
 def calibrate(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -309,7 +323,7 @@ _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 _IDENTITY = frozenset({
     "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "clone", "expand",
     "squeeze", "unsqueeze", "unbind", "split", "chunk", "getitem", "dropout", "detach", "masked_fill",
-    "rescale", "to", "float", "half", "bfloat16", "type_as", "max_pool2d", "max_pool1d", "pad", "repeat", "roll",
+    "rescale", "to", "float", "half", "bfloat16", "type_as", "max_pool2d", "max_pool1d", "repeat", "roll",
     "narrow", "select", "slice", "alias", "view_as",
 })
 
@@ -476,15 +490,54 @@ def _product(a: Moments, b: Moments, n: float) -> Moments:
     return Moments(a.mean * b.mean, a.ms * b.ms, min(amax, a.amax * b.amax))
 
 
+def _normalized_ms(n: Node, x: Moments, v: dict[Node, Moments | None]) -> tuple[float, float]:
+    """The variance a normalization divides by and its ``eps``: what is left of the input's spread
+    after it (``var / (var + eps)``, below 1 when the input's spread is near ``eps`` — BatchNorm
+    after small-initialized convolutions) and the factor its backward multiplies by (``1 / (var +
+    eps)``) both depend on the two together. RMS norm divides by the mean square, not the variance;
+    batch norm in eval mode by its running variance."""
+    name = op_name(n) or ""
+    args = list(n.args) + [None] * 8
+    eps_at = {"layer_norm": 4, "group_norm": 4, "batch_norm": 7, "rms_norm": 3}[name]
+    eps = n.kwargs.get("eps", args[eps_at])
+    if not isinstance(eps, int | float):
+        eps = 1e-5 if name != "rms_norm" else torch.finfo(torch.float32).eps
+    var = x.ms if name == "rms_norm" else x.std**2
+    if name == "batch_norm" and not n.kwargs.get("training", args[5]):
+        running = n.kwargs.get("running_var", args[2])
+        if isinstance(running, Node) and isinstance(rv := _m(running, v), Moments):
+            var = rv.mean
+    return max(var, 0.0), float(eps)
+
+
 def _normalize(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
-    """layer/batch/group/RMS norm: unit spread, then the affine weight and bias."""
+    """layer/batch/group/RMS norm: the input's spread divided by √(var + eps), then the affine
+    weight and bias."""
     weight_at, bias_at = _NORM_ARGS[op_name(n) or ""]
     args = list(n.args) + [None] * 6
+    x = _m(n.args[0], v)
     w = _m(n.kwargs.get("weight", args[weight_at]), v)
     b = _m(n.kwargs.get("bias", args[bias_at]), v)
+    kept = 1.0
+    if x is not None:
+        var, eps = _normalized_ms(n, x, v)
+        kept = var / (var + eps) if var + eps > 0 else 1.0
     w_ms = w.ms if w else 1.0
     mean = b.mean if b else 0.0
-    return Moments.gaussian(mean, w_ms + (b.ms if b else 0.0), _numel(n))
+    return Moments.gaussian(mean, w_ms * kept + (b.ms if b else 0.0), _numel(n))
+
+
+def _pad(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
+    """Constant padding: the added entries (``value``, 0 by default) dilute the mean and mean square
+    by the share they take; on a small feature map a 1-pixel border is most of it (2x2 -> 4x4)."""
+    x = _m(n.args[0], v)
+    mode = n.kwargs.get("mode", n.args[2] if len(n.args) > 2 else "constant")
+    if x is None or mode != "constant":
+        return x
+    fill = n.kwargs.get("value", n.args[3] if len(n.args) > 3 else None)
+    fill = float(fill) if isinstance(fill, int | float) else 0.0
+    kept = _numel(n.args[0]) / max(_numel(n), 1.0)
+    return Moments(x.mean * kept + fill * (1 - kept), x.ms * kept + fill**2 * (1 - kept), max(x.amax, abs(fill)))
 
 
 def _softmax(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
@@ -572,7 +625,7 @@ _FORWARD: dict[str, Callable[[Node, dict[Node, Moments | None]], Moments | None]
                      "new_full"), _constant),
     "softmax": _softmax, "scaled_dot_product_attention": _sdpa, "embedding": _embedding,
     "adaptive_avg_pool2d": _pool_mean, "avg_pool2d": _pool_mean, "mean": _reduce, "sum": _reduce,
-    "cross_entropy": _cross_entropy, "cat": _cat, "concat": _cat,
+    "cross_entropy": _cross_entropy, "cat": _cat, "concat": _cat, "pad": _pad,
 }
 
 
@@ -660,8 +713,11 @@ def _conv_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[N
 
 def _taps_per_input(n: Node, x: Node, kernel: list[int]) -> float:
     """The kernel taps that land on an input element, on average over the input: per spatial
-    dimension, the (output position, tap) pairs inside the input divided by its size. The kernel's
-    size when the convolution's arguments are not plain integers."""
+    dimension, the (output position, tap) pairs inside the input divided by its size. When the
+    input is a zero ``pad`` (TF-style "same" padding written out, as Hugging Face's MobileNetV2
+    does), over its interior only: the border's gradient is dropped by the pad's backward, and on a
+    2x2 map padded to 4x4 the interior's elements get 1.8x the average's taps. The kernel's size
+    when the convolution's arguments are not plain integers."""
     def spatial(at: int, name: str, default: int) -> list[int] | None:
         value = n.kwargs.get(name, n.args[at] if len(n.args) > at else default)
         values = list(value) if isinstance(value, list | tuple) else [value] * len(kernel)
@@ -672,11 +728,30 @@ def _taps_per_input(n: Node, x: Node, kernel: list[int]) -> float:
     sizes_in, sizes_out = _shape(x)[-len(kernel):], _shape(n)[-len(kernel):]
     if stride is None or padding is None or dilation is None or len(sizes_in) != len(kernel):
         return float(math.prod(kernel))
+    border = _zero_border(x, len(kernel)) or [(0, 0)] * len(kernel)
     taps = 1.0
-    for k, s, p, d, size_in, size_out in zip(kernel, stride, padding, dilation, sizes_in, sizes_out, strict=True):
-        inside = sum(0 <= o * s - p + t * d < size_in for o in range(int(size_out)) for t in range(k))
-        taps *= inside / max(size_in, 1.0)
+    for k, s, p, d, size_in, size_out, (lo, hi) in zip(kernel, stride, padding, dilation, sizes_in, sizes_out,
+                                                       border, strict=True):
+        inside = sum(lo <= o * s - p + t * d < size_in - hi for o in range(int(size_out)) for t in range(k))
+        taps *= inside / max(size_in - lo - hi, 1.0)
     return taps
+
+
+def _zero_border(x: Node, dims: int) -> list[tuple[int, int]] | None:
+    """The (before, after) widths of a zero ``pad`` on the last ``dims`` dimensions of ``x``, in
+    dimension order; None when ``x`` is not such a pad."""
+    if op_name(x) != "pad" or not x.args:
+        return None
+    widths = x.kwargs.get("pad", x.args[1] if len(x.args) > 1 else None)
+    mode = x.kwargs.get("mode", x.args[2] if len(x.args) > 2 else "constant")
+    fill = x.kwargs.get("value", x.args[3] if len(x.args) > 3 else None)
+    if mode != "constant" or fill not in (None, 0, 0.0) or not isinstance(widths, list | tuple):
+        return None
+    if not all(isinstance(w, int) for w in widths) or len(widths) % 2:
+        return None
+    pairs = [(int(widths[i]), int(widths[i + 1])) for i in range(0, len(widths), 2)][::-1]  # last dim first
+    pairs = [(0, 0)] * max(dims - len(pairs), 0) + pairs
+    return pairs[-dims:]
 
 
 def _binary_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
@@ -708,15 +783,22 @@ def _normalize_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> d
     args = list(n.args) + [None] * 6
     x, w, b = args[0], n.kwargs.get("weight", args[weight_at]), n.kwargs.get("bias", args[bias_at])
     xm, wm = _m(x, v), _m(w, v)
+    var, eps = _normalized_ms(n, xm, v) if xm else (1.0, 0.0)
     grads: dict[Node, Moments | None] = {}
     if isinstance(x, Node):
-        grads[x] = _grad(g.ms * (wm.ms if wm else 1.0) / max(xm.std**2, 1e-12), x) if xm else None
+        grads[x] = _grad(g.ms * (wm.ms if wm else 1.0) / max(var + eps, 1e-12), x) if xm else None
     rows = _numel(n) / max(_numel(w), 1.0) if isinstance(w, Node) else 1.0
-    if isinstance(w, Node):
-        grads[w] = _grad(rows * g.ms, w)  # normalized inputs have unit mean square
+    if isinstance(w, Node):  # the normalized input's mean square: var / (var + eps)
+        grads[w] = _grad(rows * g.ms * (var / (var + eps) if var + eps > 0 else 1.0), w)
     if isinstance(b, Node):
         grads[b] = _grad(rows * g.ms, b)
     return grads
+
+
+def _pad_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    """The interior of the padded gradient, taken to have the whole's mean square (a convolution
+    reading the pad predicts its interior's: ``_taps_per_input``)."""
+    return {n.args[0]: g} if isinstance(n.args[0], Node) else {}
 
 
 def _softmax_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
@@ -783,7 +865,7 @@ _BACKWARD: dict[str, Callable[[Node, Moments, dict[Node, Moments | None]], dict[
     "add": _binary_backward, "sub": _binary_backward, "rsub": _binary_backward, "mul": _binary_backward,
     "div": _binary_backward, "truediv": _binary_backward,
     "layer_norm": _normalize_backward, "batch_norm": _normalize_backward, "group_norm": _normalize_backward,
-    "rms_norm": _normalize_backward,
+    "rms_norm": _normalize_backward, "pad": _pad_backward,
     "softmax": _softmax_backward, "cross_entropy": _cross_entropy_backward, "mean": _reduce_backward,
     "sum": _reduce_backward, "adaptive_avg_pool2d": _pool_mean_backward, "avg_pool2d": _pool_mean_backward,
     "scaled_dot_product_attention": _sdpa_backward, "embedding": _embedding_backward,

@@ -44,7 +44,7 @@ from .graph_utils import (
     tensor_val,
 )
 from .manager import PassResult
-from .op_tables import Category, category_of, deny_reason
+from .op_tables import CREATION, Category, category_of, deny_reason
 from .predict_overflow import FORWARD_KEY
 
 if TYPE_CHECKING:
@@ -172,6 +172,8 @@ def _category(n: Node, cfg: Config) -> Category:
     if n.op == "call_module":  # only when Dynamo does not inline modules: opaque to the tables
         return Category.UNKNOWN
     category = category_of(op_name(n) or "", cfg.op_overrides)
+    if category is Category.META and isinstance(tensor_val(n), torch.Tensor):
+        return Category.CLEAR  # a tensor attribute (x.T, x.mT): a view of x, not metadata
     if category is Category.FIXED and op_name(n) == "to" and not _names_dtype(n):
         return Category.CLEAR  # x.to(device) moves data; only a dtype in the call fixes a precision
     return category
@@ -192,7 +194,7 @@ def _keep_reason(n: Node, c: Category, pinned: set[Node], origin: dict[Node, Nod
     if c is Category.UNKNOWN:
         return "unknown op: not in the precision tables (classify it with Config.allow/deny/infer/clear)"
     if c is Category.FIXED:
-        return "explicit dtype conversion in the model"
+        return "creates a tensor in the model's dtype" if op_name(n) in CREATION else "explicit dtype conversion in the model"
     if n in origin:
         return f"downstream of float32 op {origin[n].name}"
     return f"not between {low_name} ops"

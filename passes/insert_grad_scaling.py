@@ -175,6 +175,9 @@ class _State:
         self.prefix = prefix  # the path of the scaler's model in this graph ("" when compiled directly)
         self.sends: dict[Node, Rows] = {}  # rescale node -> the scale it sends to its input
         self.requires: dict[Node, bool] = {}
+        # The scaler's state is the last input: a rescale of an input (a tied weight's alignment at
+        # its merge, an unscale) goes after every input, not right after its own placeholder.
+        self.last_input = list(graph.find_nodes(op="placeholder"))[-1]
 
     def row(self, node: Node) -> int:
         """The row of the innermost registered module containing ``node`` (the root's, at worst)."""
@@ -187,6 +190,8 @@ class _State:
 
     def _rescale(self, x: Node, out_rows: Rows, in_rows: Rows, record: Rows, *, after: Node, like: Node,
                  reason: str, unscale: bool = False) -> Node:
+        if after.op == "placeholder":
+            after = self.last_input
         with self.graph.inserting_after(after):
             node = new_node(self.graph, "call_function", rescale, (
                 x, self.scales, self.stats, tuple(sorted(out_rows)), tuple(sorted(in_rows)), tuple(sorted(record)),

@@ -12,7 +12,8 @@ deny    must stay float32: exponentials/logs/powers that overflow, reductions ov
         normalization statistics, losses. The value is the reason shown in reports.
 infer   elementwise math: low precision when it sits between low-precision ops, else float32.
 clear   data movement and exact ops (views, relu, max): follow their neighbours at no risk.
-fixed   explicit dtype conversions written in the model: the model's choice is kept.
+fixed   explicit dtype conversions written in the model, and tensor creation (``zeros``,
+        ``arange``, ``tensor``) whose dtype the model names or defaults: the model's choice is kept.
 meta    ops that read only sizes and strides: never cast.
 
 An op in none of these is *unknown*: it stays float32 and is reported, never a crash.
@@ -26,7 +27,7 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
-    "ALLOW", "BOUNDED", "CLEAR", "DENY", "FIXED", "INFER", "META", "NORMALIZATIONS", "VIEWS", "Category",
+    "ALLOW", "BOUNDED", "CLEAR", "CREATION", "DENY", "FIXED", "INFER", "META", "NORMALIZATIONS", "VIEWS", "Category",
     "category_of", "deny_reason",
 ]
 
@@ -142,12 +143,21 @@ FIXED: Final = frozenset({
     "convert_element_type", "_to_dtype",
 })
 
+# Ops that make a tensor from sizes or Python numbers, not from a floating input: nothing to round
+# and no range to leave, so there is no decision to make (every Hugging Face language model makes
+# its masks and positions with some of them). Category FIXED: they keep the dtype the model gives.
+CREATION: Final = frozenset({
+    "tensor", "as_tensor", "scalar_tensor", "lift_fresh", "lift_fresh_copy", "zeros", "ones", "full", "empty",
+    "empty_strided", "arange", "linspace", "logspace", "eye", "new_zeros", "new_ones", "new_full", "new_empty",
+    "new_tensor", "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
+})
+
 _BUILTIN: Final[Mapping[str, Category]] = MappingProxyType({
     **{op: Category.CLEAR for op in CLEAR},
     **{op: Category.INFER for op in INFER},
     **{op: Category.DENY for op in DENY},
     **{op: Category.ALLOW for op in ALLOW},
-    **{op: Category.FIXED for op in FIXED},
+    **{op: Category.FIXED for op in FIXED | CREATION},
     **{op: Category.META for op in META},
 })
 

@@ -3,6 +3,7 @@ graph breaks, the named entry point and Inductor."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -77,6 +78,39 @@ def test_graph_break_every_subgraph_converted_and_trains() -> None:
     assert len(c.backend.records) == 2
     assert all(r.report.converted >= 1 for r in c.backend.records)
     assert_matches_fp32(c)
+
+
+class _TiedAfterBreak(nn.Module):
+    """GPT-2's shape in small: the output layer (float16) shares the embedding's weight (float32: a
+    layer norm reads it), and (as transformers' loss logging does) a graph break comes first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.mid = nn.Embedding(32, 16), nn.LayerNorm(16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return self.head(torch.relu(self.mid(self.norm(self.embed(ids)))))
+
+
+def test_tied_weights_after_a_graph_break_compile_and_train() -> None:
+    """A tied weight's gradient merges from two uses and is aligned (and unscaled) on its way out.
+    After a graph break the scaler's state joins the graph as its last inputs; the alignment was
+    placed right after the weight's own input, before them, and the graph failed to lint
+    ("used before it has been defined"): every transformers GPT-2 failed to compile."""
+    torch.manual_seed(0)
+    model, ids = _TiedAfterBreak(), torch.randint(0, 32, (4, 8))
+    reference = copy.deepcopy(model)
+    scaler = autoscale.GradScaler(model)
+    compiled = torch.compile(model, backend=autoscale.backend(autoscale.Config(executor="eager")))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss = nn.functional.cross_entropy(compiled(ids).flatten(0, 1), ids.flatten())
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    nn.functional.cross_entropy(reference(ids).flatten(0, 1), ids.flatten()).backward()
+    assert sqnr(reference.embed.weight.grad, model.embed.weight.grad) >= SQNR_MIN_DB[(torch.float16, "grad")]
 
 
 def test_named_backend_is_discoverable() -> None:

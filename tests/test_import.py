@@ -1,4 +1,4 @@
-"""``import autoscale`` stays lean: no triton, no Inductor, no CUDA initialisation."""
+"""``import autoscale`` stays lean: no triton, no Inductor, no model library, no CUDA initialisation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 PROBE = """
 import sys, torch
 import autoscale
-heavy = sorted(m for m in sys.modules if m == "triton" or m.startswith(("triton.", "torch._inductor")))
+heavy = sorted(m for m in sys.modules
+               if m in ("triton", "transformers") or m.startswith(("triton.", "torch._inductor", "transformers.")))
 assert not heavy, heavy
 assert not torch.cuda.is_initialized()
 print("lean")

@@ -143,6 +143,38 @@ def test_initial_scales_stay_in_range_when_predicted_gradients_are_vanishingly_s
     assert scales.max() == SCALE_RANGE[1] and scales.min() >= SCALE_RANGE[0]
 
 
+class _LayerScaled(nn.Module):
+    """ConvNeXt's residual blocks in small: ``x + gamma * mlp(norm(mix(x)))`` (ConvNeXt mixes with a
+    depthwise convolution), with ``gamma`` starting at 1e-6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(),
+                                                  nn.Linear(128, 32)) for _ in range(3))
+        self.gammas = nn.ParameterList(nn.Parameter(torch.full((32,), 1e-6)) for _ in range(3))
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, gamma in zip(self.blocks, self.gammas, strict=True):
+            x = x + gamma * block(x)
+        return self.head(x)
+
+
+def test_layer_scale_growing_a_thousandfold_in_one_step_does_not_overflow() -> None:
+    """The first Adam step takes a 1e-6 layer scale to ~1e-3, and the gradients inside the block
+    with it. Seeded at the layer scale's initial size, the blocks' scales were 2^10 too high and
+    the second step overflowed (and halving took ten skipped steps to recover): ConvNeXt skipped
+    every step after its first. Trainable parameters are seeded at least one update's size."""
+    torch.manual_seed(0)
+    model, x, y = _LayerScaled(), torch.randn(64, 32), torch.randint(0, 5, (64,))
+    scaler = GradScaler(model)
+    compiled = torch.compile(model, backend=autoscale.backend(autoscale.Config(executor="eager")))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    skipped = _train_steps(model, scaler, opt, compiled, x, y, 6)
+    assert not any(skipped), skipped
+    assert all(float(g.abs().min()) > 1e-4 for g in model.gammas)  # the case: they grew a hundredfold and more
+
+
 def test_mobilenet_v2_trains_as_close_to_float32_as_torch_amp() -> None:
     """Issue 18's defect: MobileNetV2 (width 0.35, 64x64 images, batch 8, SGD lr 1e-3, 8 steps on one
     batch). Its depthwise convolutions' backward was predicted up to groups x stride^2 too large,

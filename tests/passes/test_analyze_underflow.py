@@ -14,7 +14,15 @@ import torch.nn.functional as F
 
 import autoscale
 from autoscale.passes import PassSpec, analyze_underflow, remove_inplace, run_stage
-from autoscale.passes.analyze_underflow import MOMENTS_KEY, Moments, calibrate, predicted_underflow, seed_inputs
+from autoscale.passes.analyze_underflow import (
+    MOMENTS_KEY,
+    SEED_KEY,
+    UPDATE_SIZE,
+    Moments,
+    calibrate,
+    predicted_underflow,
+    seed_inputs,
+)
 from autoscale.passes.graph_utils import op_name
 from tests.helpers import capture
 from tests.models import conv_case, mlp_case, mobilenet_case, transformer_case
@@ -110,6 +118,75 @@ def test_depthwise_strided_convolutions_and_relu6_pass_gradients_back_at_the_mea
     assert len(factors) >= 20 and any(groups > 1 for _, groups, _ in factors)
     outside = [(name, groups, round(r, 2)) for name, groups, r in factors if not 1 / 1.5 <= r <= 1.5]
     assert not outside, outside
+
+
+def _module_analyzed(model: nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.Tensor]]:
+    """``model``'s graph for the loss ``(model(x) * r).sum()`` (``r`` fixed Gaussian noise: an output
+    gradient independent of the weights, as deep in a network), analyzed, and its float32 measurement."""
+    def loss(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return (model(x) * r).sum()
+
+    r = torch.randn_like(model(x), requires_grad=False).detach()
+    (gm, example), = capture(loss, x, r)
+    seed_inputs(gm, example)
+    run_stage(gm, autoscale.Config(compute="native"), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+    return gm, _measure(gm, example)
+
+
+def _backward_factor(n: torch.fx.Node, measured: dict[torch.fx.Node, torch.Tensor]) -> float:
+    """How much ``n``'s backward changes the gradient's spread, predicted over measured."""
+    x = n.args[0]
+    assert isinstance(x, torch.fx.Node)
+    predicted = x.meta[MOMENTS_KEY]["grad"].std / n.meta[MOMENTS_KEY]["grad"].std
+    return predicted / float(measured[x].grad.double().std() / measured[n].grad.double().std())
+
+
+def test_batch_norm_of_a_spread_near_eps_divides_by_variance_plus_eps() -> None:
+    """A train-mode batch norm divides by sqrt(var + eps): when the input's variance is near eps —
+    Hugging Face's MobileNetV2 initializes its convolutions at std 0.02 and gives its batch norms
+    eps 1e-3 — its output is well below unit spread, and its backward multiplies by less than
+    1/std. Predicting 1/std instead compounded over MobileNetV2's 52 batch norms: its first
+    layers' gradients were predicted 1000x too small, their scales seeded 2^9 too high, and the
+    first four steps overflowed (issue 18)."""
+    conv, bn = nn.Conv2d(4, 16, 1, bias=False), nn.BatchNorm2d(16, eps=1e-3)
+    nn.init.normal_(conv.weight, std=0.02)
+    gm, measured = _module_analyzed(nn.Sequential(conv, bn, nn.Conv2d(16, 8, 1)), torch.randn(8, 4, 6, 6))
+    norm, = (n for n in gm.graph.nodes if op_name(n) == "batch_norm")
+    assert float(measured[norm].detach().double().std()) < 0.8  # the case: var comparable to eps
+    assert 0.9 <= _ratio(norm.meta[MOMENTS_KEY]["value"], measured[norm]) <= 1.1
+    assert 0.8 <= _backward_factor(norm, measured) <= 1.25
+
+
+def test_zero_padding_dilutes_and_a_convolution_reads_its_interior() -> None:
+    """TF-style "same" padding written out (``F.pad`` then a convolution without padding, as Hugging
+    Face's MobileNetV2 does): the pad's zeros dilute the spread (on a 2x2 map padded to 4x4 they
+    are 3/4 of it), and the gradient the pad passes back is its interior's, where every element
+    gets more kernel taps than the border's. (Taken as an identity, the pad doubled the spread
+    predicted after it, and the interior's gradient was predicted 1.3x too small, once per block.)"""
+    depthwise = nn.Conv2d(16, 16, 3, groups=16, bias=False)
+    model = nn.Sequential(nn.ZeroPad2d(1), depthwise)
+    gm, measured = _module_analyzed(model, torch.randn(8, 16, 2, 2, requires_grad=True))
+    pad, = (n for n in gm.graph.nodes if op_name(n) == "pad")
+    conv, = (n for n in gm.graph.nodes if op_name(n) == "conv2d")
+    assert 0.9 <= _ratio(pad.meta[MOMENTS_KEY]["value"], measured[pad]) <= 1.1
+    x = pad.args[0]
+    assert isinstance(x, torch.fx.Node)
+    interior = x.meta[MOMENTS_KEY]["grad"].std / conv.meta[MOMENTS_KEY]["grad"].std
+    actual = float(measured[x].grad.double().std() / measured[conv].grad.double().std())
+    assert 0.8 <= interior / actual <= 1.25
+
+
+def test_a_tiny_trainable_multiplier_is_seeded_at_an_update_size() -> None:
+    """ConvNeXt's layer scale starts at 1e-6 and one Adam step makes it ~1e-3: the gradients behind
+    it grow 1000-fold. Seeded at 1e-6, their scales were 2^34 and the second step overflowed; a
+    trainable parameter is seeded no smaller than ``UPDATE_SIZE``. Inputs are not floored."""
+    gamma = nn.Parameter(torch.full((8,), 1e-6))
+    x = torch.randn(4, 8)
+    (gm, example), = capture(lambda x, g: (x * g).sum(), x, gamma)  # noqa: B023
+    seed_inputs(gm, example)
+    seeds = {n.name: n.meta[SEED_KEY] for n in gm.graph.find_nodes(op="placeholder")}
+    assert math.sqrt(seeds["l_g_"].ms) == pytest.approx(UPDATE_SIZE)
+    assert seeds["l_x_"] == Moments.of(x)
 
 
 def test_unknown_op_makes_predictions_unknown_not_an_error() -> None:

@@ -136,6 +136,50 @@ def test_unknown_custom_op_stays_fp32_is_reported_and_trains() -> None:
     assert_matches_fp32(c)
 
 
+class _MakesTensors(nn.Module):
+    """What every Hugging Face language model does: a causal mask and positions made in the
+    forward, with ``torch.tensor``, ``zeros``, ``full`` and ``arange``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        mask = torch.full((n, n), torch.finfo(x.dtype).min).triu(1) + torch.zeros(n, n)
+        positions = torch.arange(n, dtype=x.dtype)[:, None] * torch.tensor(0.01)
+        h = self.a(x + positions)
+        return self.b(torch.softmax(h @ h.transpose(0, 1) + mask, dim=-1) @ h)
+
+
+def test_tensor_creation_is_classified_not_reported_as_unknown() -> None:
+    """Creation ops make no precision decision: they keep the dtype the model gives them, and the
+    user is not told they are "not in the precision tables" (issue 18: every transformers model
+    warned about ``tensor``, and T5 about ``zeros``)."""
+    torch.manual_seed(0)
+    model, x = _MakesTensors(), torch.randn(8, 16)
+    gm = rewrite(model, x)
+    report = precision_report(gm, dtype="float16", compute="native")
+    assert report.unknown_ops == ()
+    created = [i for i in report.islands if i.op in ("full", "zeros", "arange", "tensor")]
+    assert created and all(i.reason == "creates a tensor in the model's dtype" for i in created)
+    assert not any(i.op == "linear" for i in report.islands)  # the layers still compute in float16
+
+
+def test_a_tensor_attribute_is_a_view_not_metadata() -> None:
+    """``x.T`` reaches the graph as ``getattr(x, "T")``, an op the tables list as metadata (never
+    cast): it returns a tensor, and follows its input's precision like any view (it was left
+    recorded as float32 while it computed in float16, and the invariant check refused the pass)."""
+    lin = nn.Linear(16, 16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        return (h @ h.T).sum()
+
+    gm = rewrite(f, torch.randn(8, 16))
+    assert _precision(gm, "matmul") == "float16"
+
+
 def test_user_override_classifies_unknown_op() -> None:
     torch.manual_seed(0)
     gm = rewrite(_WithUnknownOp(), torch.randn(8, 16), config=autoscale.Config(compute="native",

@@ -1,0 +1,90 @@
+"""The public model zoo's fast subset (one model per family with a quirk: MobileNetV2's depthwise
+convolutions and batch norms, GPT-2's tied embeddings, BERT's encoder, T5's encoder-decoder), each
+trained with float32, torch.amp and autoscale (eager executor) and held to the zoo's bar; and the
+zoo's measures. The whole zoo, with Inductor: ``python -m benchmarks.zoo`` (docs/results/zoo.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch._dynamo
+
+import autoscale
+
+pytest.importorskip("transformers", reason="the zoo's models come from transformers: pip install -e '.[zoo]'")
+
+from benchmarks.zoo.__main__ import QUICK, markdown  # noqa: E402
+from benchmarks.zoo.compare import LOSS_GAP_TARGET, SQNR_SLACK_DB, ZooResult, compare, sqnr_db  # noqa: E402
+from benchmarks.zoo.models import FAMILIES, MODELS  # noqa: E402
+
+
+def test_the_zoo_spans_twelve_models_and_four_families() -> None:
+    assert len(MODELS) >= 12
+    assert len({m.family for m in MODELS.values()}) >= 4 and {m.family for m in MODELS.values()} <= set(FAMILIES)
+    assert set(QUICK) <= set(MODELS) and len({MODELS[n].family for n in QUICK}) == len(QUICK)
+
+
+def test_sqnr_of_all_gradients_as_one_vector() -> None:
+    ref = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([0.0])}
+    assert sqnr_db(ref, {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([0.0])}) == math.inf
+    assert sqnr_db(ref, {"a": torch.tensor([3.0, 4.5]), "b": torch.tensor([0.0])}) == pytest.approx(20.0)
+    assert sqnr_db(ref, {"a": torch.tensor([3.0, math.inf]), "b": None}) == -math.inf
+    assert sqnr_db(ref, {"a": None, "b": None}) == pytest.approx(0.0)  # a missing gradient counts as zero
+
+
+def test_the_bar_a_model_is_held_to() -> None:
+    r = ZooResult("m", "CNN", 3, "eager", losses={"float32": [2.0, 1.0, 0.5], "torch.amp": [2.0, 1.5, 1.0],
+                                                  "autoscale": [2.0, 1.2, 0.5]},
+                  sqnr={"autoscale": 40.0, "torch.amp": 40.5}, graphs=1, plain_graphs=1)
+    assert r.gap("autoscale") == pytest.approx(0.1) and r.gap("torch.amp") == pytest.approx(0.25)
+    assert r.ok  # 10% off float32, but closer than torch.amp; SQNR within 1 dB
+    assert not ZooResult(**{**r.__dict__, "sqnr": {"autoscale": 39.0, "torch.amp": 40.5}}).ok
+    assert not ZooResult(**{**r.__dict__, "graphs": 2}).ok  # a graph break of autoscale's
+    worse = {**r.losses, "autoscale": [2.0, 0.9, 1.1]}
+    assert not ZooResult(**{**r.__dict__, "losses": worse}).ok
+    assert "| m | CNN |" in markdown([r], machine="test", minutes=0.0)
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_model_trains_as_close_to_float32_as_torch_amp(name: str) -> None:
+    """A model from a model library, as a user brings it: compiled through ``backend="autoscale"``
+    with no graph break of autoscale's, its loss within 5% of float32's (of the initial loss) or
+    at least as close as torch.amp's, its first-step gradients at least as accurate as torch.amp's
+    (SQNR, 1 dB slack), and every op it uses in the precision tables."""
+    r = compare(MODELS[name], steps=6, executor="eager")
+    assert not r.error, r.error
+    assert r.extra_graphs <= 0, (r.graphs, r.plain_graphs)
+    assert r.gap("autoscale") <= max(LOSS_GAP_TARGET, r.gap("torch.amp")), r.losses
+    assert r.sqnr["autoscale"] >= r.sqnr["torch.amp"] - SQNR_SLACK_DB, r.sqnr
+    assert r.skipped["autoscale"] == 0
+    assert not r.unknown_ops
+    assert r.scaled_layers > 0
+
+
+def test_new_sequence_lengths_recompile_once_and_eager_attention_trains() -> None:
+    """Dynamic shapes and the other attention implementation on a real model: Llama with
+    ``attn_implementation="eager"`` (matmul, softmax and the causal mask written out; the zoo runs
+    SDPA, transformers' default) at sequence lengths 32, 24, 16 and 20. Dynamo compiles once for
+    the first length and once more, with a symbolic length, for the second; the rest reuse it.
+    Every step is scaled and none is skipped."""
+    model, batch = MODELS["llama"].build(0)
+    model.set_attn_implementation("eager")
+    torch._dynamo.reset()
+    backend = autoscale.backend(autoscale.Config(executor="eager"))
+    scaler = autoscale.GradScaler(model)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for length in (32, 24, 16, 20):
+        ids = batch["input_ids"][:, :length]
+        opt.zero_grad(set_to_none=True)
+        loss = compiled(input_ids=ids, labels=ids).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(loss.detach()))
+    assert len(backend.records) == 2
+    assert scaler.skipped_steps == 0 and all(math.isfinite(x) for x in losses)
+    assert any(op.op == "softmax" for r in backend.records for op in r.report.islands)  # eager attention's
