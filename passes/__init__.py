@@ -17,6 +17,7 @@ from .insert_overflow_checks import insert_overflow_checks
 from .manager import InvariantError, PassRecord, PassResult, PassSpec, Stage, run_stage
 from .predict_overflow import predict_overflow
 from .remove_inplace import remove_inplace
+from .rewrite_avg_pool import rewrite_avg_pool
 
 __all__ = [
     "PIPELINE",
@@ -34,12 +35,14 @@ __all__ = [
     "insert_overflow_checks",
     "predict_overflow",
     "remove_inplace",
+    "rewrite_avg_pool",
     "run_stage",
 ]
 
 PIPELINE: tuple[PassSpec, ...] = (
     # Dynamo's torch-level graph, before autograd: what is computed in which dtype.
     PassSpec(remove_inplace, "dynamo"),
+    PassSpec(rewrite_avg_pool, "dynamo"),  # before the analysis and painting: they see the mean
     PassSpec(predict_overflow, "dynamo"),  # before painting: which values float16 cannot hold
     PassSpec(convert_precision, "dynamo"),
     PassSpec(analyze_underflow, "dynamo"),

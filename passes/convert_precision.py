@@ -194,7 +194,9 @@ def _keep_reason(n: Node, c: Category, pinned: set[Node], origin: dict[Node, Nod
     if c is Category.UNKNOWN:
         return "unknown op: not in the precision tables (classify it with Config.allow/deny/infer/clear)"
     if c is Category.FIXED:
-        return "creates a tensor in the model's dtype" if op_name(n) in CREATION else "explicit dtype conversion in the model"
+        if op_name(n) in CREATION:
+            return "creates a tensor in the model's dtype"
+        return "explicit dtype conversion in the model"
     if n in origin:
         return f"downstream of float32 op {origin[n].name}"
     return f"not between {low_name} ops"

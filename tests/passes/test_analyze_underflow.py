@@ -120,7 +120,8 @@ def test_depthwise_strided_convolutions_and_relu6_pass_gradients_back_at_the_mea
     assert not outside, outside
 
 
-def _module_analyzed(model: nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.Tensor]]:
+def _module_analyzed(model: nn.Module, x: torch.Tensor
+                     ) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.Tensor]]:
     """``model``'s graph for the loss ``(model(x) * r).sum()`` (``r`` fixed Gaussian noise: an output
     gradient independent of the weights, as deep in a network), analyzed, and its float32 measurement."""
     def loss(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
