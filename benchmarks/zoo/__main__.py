@@ -55,15 +55,17 @@ def markdown(results: list[ZooResult], *, machine: str, minutes: float) -> str:
              f"**{passed} of {len(results)} models pass** (no graph break of autoscale's; loss gap "
              f"≤ {LOSS_GAP_TARGET:.0%} of the initial loss or ≤ torch.amp's; first-step gradient SQNR ≥ "
              f"torch.amp's − {SQNR_SLACK_DB:g} dB).", "",
-             "| model | family | SQNR dB autoscale | SQNR dB torch.amp (at scale) | loss gap autoscale | "
+             "| model | family | SQNR dB autoscale | SQNR dB torch.amp (at scale) | SQNR dB Inductor float32 | "
+             "loss gap autoscale | "
              "loss gap torch.amp | skipped autoscale / torch.amp | graphs (plain) | recompiles | scaled layers "
              "(scales) | compile s | step ms autoscale / float32 eager | pass |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         amp_at = f" (2^{math.log2(r.amp_sqnr_scale):.0f})" if math.isfinite(r.amp_sqnr_scale) else ""
         lines.append(
             f"| {r.name} | {r.family} | {_f(r.sqnr.get('autoscale', math.nan), '.1f')} | "
-            f"{_f(r.sqnr.get('torch.amp', math.nan), '.1f')}{amp_at} | {_f(r.gap('autoscale'), '.2g')} | "
+            f"{_f(r.sqnr.get('torch.amp', math.nan), '.1f')}{amp_at} | "
+            f"{_f(r.sqnr.get('inductor float32', math.nan), '.1f')} | {_f(r.gap('autoscale'), '.2g')} | "
             f"{_f(r.gap('torch.amp'), '.2g')} | "
             f"{r.skipped.get('autoscale', '-')} / {r.skipped.get('torch.amp', '-')} | "
             f"{r.graphs} ({r.plain_graphs}) | {r.recompiles} | {r.scaled_layers} ({_scales(r)}) | "

@@ -11,6 +11,8 @@ All three take ``steps`` optimizer steps (AdamW by default, or SGD; lr 1e-3) on 
 * first-step gradient SQNR against float32 (all parameters' gradients, unscaled, as one vector):
   autoscale's, and torch.amp's at the largest power-of-two loss scale from 2^16 down that does not
   overflow on that step (its defaults may skip the first step: that is a skip, not an SQNR);
+* with Inductor, the same SQNR for plain ``torch.compile`` (Inductor, float32): what the executor
+  alone changes;
 * skipped steps, the graphs compiled (and how many more than the same model compiled with a backend
   that does nothing: graph breaks autoscale caused), ops the precision tables do not know, the layers
   autoscale scaled and their scales, and autoscale's compile time (first step less a later step's
@@ -201,6 +203,14 @@ def _plain_graphs(model: nn.Module, batch: Batch) -> int:
     return sum(graphs)
 
 
+def _inductor_float32(model: nn.Module, batch: Batch, ref: dict[str, torch.Tensor], result: ZooResult) -> None:
+    """The first-step gradient SQNR of plain Inductor in float32 against eager float32: what the
+    executor alone changes (autoscale's Inductor runs are measured against eager float32 too)."""
+    torch._dynamo.reset()
+    _loss(torch.compile(model, backend="inductor"), batch).backward()
+    result.sqnr["inductor float32"] = sqnr_db(ref, _grads(model))
+
+
 def _autoscale(model: nn.Module, batch: Batch, steps: int, ref: dict[str, torch.Tensor], executor: str,
                result: ZooResult) -> None:
     torch._dynamo.reset()
@@ -246,10 +256,12 @@ def compare(entry: ZooModel, *, steps: int = 8, seed: int = 0, executor: str = "
         raise ValueError(f"optimizer {optimizer!r}: the zoo trains with {', '.join(OPTIMIZERS)}")
     model, batch = entry.build(seed)
     result = ZooResult(entry.name, entry.family, steps, executor, optimizer)
-    copies = {m: copy.deepcopy(model) for m in ("torch.amp", "autoscale", "plain")}
+    copies = {m: copy.deepcopy(model) for m in ("torch.amp", "autoscale", "plain", "inductor")}
     ref = _float32(model, batch, steps, result)
     _amp(copies["torch.amp"], batch, steps, ref, result)
     result.plain_graphs = _plain_graphs(copies["plain"], batch)
+    if executor == "inductor":
+        _inductor_float32(copies["inductor"], batch, ref, result)
     _autoscale(copies["autoscale"], batch, steps, ref, executor, result)
     torch._dynamo.reset()
     return result
