@@ -80,8 +80,8 @@ class ScalingConfig:
                 "dynamic" (``init_scale`` is also the "static" scale). In "adaptive" mode,
                 ``growth_factor`` caps how much a layer's scale may rise per update (it falls at
                 once), and ``backoff_factor`` is what an overflowing layer's scale is multiplied by
-                (at most ``2**-margin`` under the "headroom" rule: an overflow there means the
-                layer's gradients grew more than ``2**margin``-fold since it was placed).
+                (by at most ``2**-margin`` under the "headroom" rule when it overflowed at the
+                previous update too: its gradients have grown more than ``2**margin``-fold).
     """
 
     mode: ScalingMode = "adaptive"

@@ -400,7 +400,8 @@ class GradScaler:
         asked = self._state.forward.sites and self._decided is not False
         explained = self._state.forward.outputs_nonfinite(self._state.peaks) if asked else None
         return adaptive_update(self._state.scales, self._state.stats, self._last_stats, self._overflows,
-                               self._skips, self._found_inf, bound, due=due, backoff=adaptive_backoff(cfg),
+                               self._skips, self._found_inf, bound, due=due, backoff=cfg.backoff_factor,
+                               repeated_backoff=adaptive_backoff(cfg),
                                growth=cfg.growth_factor, high=high,
                                headroom=headroom(cfg.margin, self._state.gradient_max), known=self._decided,
                                forward_nonfinite=explained)
@@ -505,18 +506,20 @@ class GradScaler:
 
 def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch.Tensor, overflows: torch.Tensor,
                     skips: torch.Tensor, found_inf: torch.Tensor, bound: torch.Tensor | None, *, due: bool,
-                    backoff: float, growth: float, high: float, headroom: float,
+                    backoff: float, growth: float, high: float, headroom: float, repeated_backoff: float | None = None,
                     known: bool | None = None, forward_nonfinite: torch.Tensor | None = None
                     ) -> torch.Tensor | bool:
     """The adaptive mode's ``update()``, in place on the state tensors; returns the overflow flag.
 
     A row whose statistics saw inf/nan (``stats`` non-finite column) has its scale multiplied by
-    ``backoff``; when ``due`` (every ``update_every`` steps) and the step did not overflow, every
-    other measured row gets the power-of-two scale that puts its largest gradient ``headroom``
-    high (capped by ``bound``, the paper rule's per-row scales, when given), rising by at most
-    ``growth`` per update and falling at once. The cap matters after a batch of unusually small
-    gradients: followed to the letter, the rule raised every scale by the dip (2^5 seen on the
-    numerics benchmark's stress MLP), and the next ordinary batch overflowed and was skipped.
+    ``backoff``, or by ``repeated_backoff`` (``adaptive_backoff``) when it overflowed at the
+    previous update too (``last_stats``' non-finite column); when ``due`` (every ``update_every``
+    steps) and the step did not overflow, every other measured row gets the power-of-two scale
+    that puts its largest gradient ``headroom`` high (capped by ``bound``, the paper rule's per-row
+    scales, when given), rising by at most ``growth`` per update and falling at once. The cap
+    matters after a batch of unusually small gradients: followed to the letter, the rule raised
+    every scale by the dip (2^5 seen on the numerics benchmark's stress MLP), and the next
+    ordinary batch overflowed and was skipped.
     Statistics are cleared when used and for flagged rows; the loss row keeps its scale.
 
     ``known`` is the overflow flag when the host already has it (``GradScaler.step`` synced for
@@ -542,7 +545,11 @@ def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch
             flagged = flagged & ~forward_nonfinite
         skips.add_(overflow)
         overflows.add_(flagged)
-        new = torch.where(flagged, scales * backoff, scales)
+        factor: torch.Tensor | float = backoff
+        if repeated_backoff is not None:
+            again = last_stats[:, STAT["nonfinite"]] > 0
+            factor = torch.where(again, torch.full_like(scales, repeated_backoff), torch.full_like(scales, backoff))
+        new = torch.where(flagged, scales * factor, scales)
         if due:
             measured, rule = _rule(scales, stats, bound, growth=growth, headroom=headroom)
             # (a flagged row means an overflow: none is measured then)
@@ -559,12 +566,13 @@ def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch
 
 
 def adaptive_backoff(cfg: ScalingConfig) -> float:
-    """What an overflowing layer's scale is multiplied by in adaptive mode. Under the "headroom"
-    rule a layer's scale puts its largest gradient ``2**margin`` below the format's max, so an
-    overflow means its gradients grew more than ``2**margin``-fold since they were measured (or
-    predicted): halving would skip ``margin`` steps in a row before the scale caught up. It backs
-    off by ``2**-margin`` at once (or by ``backoff_factor``, if that is smaller). Seen on
-    ConvNeXt, whose layer scales start at 1e-6: one Adam step makes them ~1e-3, the gradients
+    """What a layer's scale is multiplied by in adaptive mode when it overflows at two updates in a
+    row (a first overflow backs off by ``backoff_factor``, as a lone spike should cost no more than
+    its skipped step). Under the "headroom" rule a layer's scale puts its largest gradient
+    ``2**margin`` below the format's max, so a second overflow in a row means its gradients grew
+    more than ``2**margin``-fold: halving again would skip ``margin`` steps more before the scale
+    caught up. It backs off by ``2**-margin`` (or by ``backoff_factor``, if that is smaller). Seen
+    on ConvNeXt, whose layer scales start at 1e-6: one Adam step makes them ~1e-3, the gradients
     inside every block grow 1000-fold, and halving skipped ten steps."""
     return min(cfg.backoff_factor, 2.0**-cfg.margin) if cfg.rule == "headroom" else cfg.backoff_factor
 

@@ -11,7 +11,8 @@ For every injected step the harness checks, against a snapshot taken before it:
 
 * the step was skipped (the injection was **detected**);
 * every weight and every optimizer state tensor is bit-identical to before (**not corrupted**);
-* only the layers that overflowed had their scale backed off (×0.5 exactly); every other layer's
+* only the layers that overflowed had their scale backed off (×0.5 exactly; ×2^-margin when the
+  layer overflowed at the step before too, ``adaptive_backoff``); every other layer's
   scale is bit-identical.
 
 A step without injection that is skipped counts as a false alarm. At the end, the injected run is
@@ -35,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoscale
+from autoscale.ops import SCALE_RANGE
+from autoscale.scaler import adaptive_backoff
 from benchmarks import notes_of
 
 __all__ = ["KINDS", "Report", "run"]
@@ -112,6 +115,7 @@ def _train(seed: int, steps: int, inject_rate: float, report: Report | None,
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     x, y = _data(seed)
     rng = random.Random(seed)
+    flagged_last: set[str] = set()  # the layers that overflowed at the step before
     for step in range(steps):
         if step in skip:
             continue
@@ -137,6 +141,7 @@ def _train(seed: int, steps: int, inject_rate: float, report: Report | None,
             report.skipped_steps.append(step)
         if kind is None:
             report.false_alarms += skipped
+            flagged_last = set()
             continue
         report.injected += 1
         report.detected += skipped
@@ -145,10 +150,17 @@ def _train(seed: int, steps: int, inject_rate: float, report: Report | None,
         after = opt.state_dict()["state"]
         report.optimizer_corrupted += any(not torch.equal(after[k][f], v) for k, s in opt_state.items()
                                           for f, v in s.items())
+        flagged = set()
         for r in scaler.layers():
             scale, overflows = before.get(r.name, (r.scale, r.overflows))
-            expected = scale * 0.5 if r.overflows > overflows else scale
+            # halved, or backed off 2^-margin when it overflowed at the step before too
+            again = r.name in flagged_last
+            factor = adaptive_backoff(scaler.config) if again else scaler.config.backoff_factor
+            expected = max(scale * factor, SCALE_RANGE[0]) if r.overflows > overflows else scale
             report.scales_wrong += r.scale != expected
+            if r.overflows > overflows:
+                flagged.add(r.name)
+        flagged_last = flagged
     with torch.no_grad():
         return float(F.cross_entropy(model(x), y)), model
 

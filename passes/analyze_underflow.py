@@ -92,23 +92,39 @@ def predicted_underflow(grad: Moments) -> float:
 
 # The size one optimizer step gives a parameter (Adam's default learning rate, 1e-3).
 UPDATE_SIZE = 1e-3
+TRAINABLE_KEY = "autoscale_trainable"
 
 
 def seed_inputs(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
-    """Record the moments of the real example tensors on ``gm``'s placeholders.
-
-    A trainable parameter smaller than ``UPDATE_SIZE`` (ConvNeXt's and CaiT's layer scales start
-    at 1e-6, a zero-initialized gate at 0) is recorded at that size: it will not stay smaller after
-    the first update, and neither will the gradients it multiplies. Seeded at its initial size, the
-    gradients behind a 1e-6 layer scale got scales 2^34 high, and the first Adam step, which moved
-    the layer scale to ~1e-3, made them overflow.
-    """
+    """Record the moments of the real example tensors on ``gm``'s placeholders, and which are
+    trainable parameters (``TRAINABLE_KEY``: their size is floored in the backward, ``_updated``)."""
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=False):
         if isinstance(value, torch.Tensor) and value.dtype.is_floating_point and not value.is_meta:
-            m = Moments.of(value)
-            if isinstance(value, torch.nn.Parameter) and value.requires_grad and m.ms < UPDATE_SIZE**2:
-                m = Moments(m.mean, UPDATE_SIZE**2, max(m.amax, UPDATE_SIZE))
-            node.meta[SEED_KEY] = m
+            node.meta[SEED_KEY] = Moments.of(value)
+            if isinstance(value, torch.nn.Parameter) and value.requires_grad:
+                node.meta[TRAINABLE_KEY] = True
+
+
+def _updated(gm: GraphModule, value: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
+    """The moments the backward rules see: a trainable parameter smaller than ``UPDATE_SIZE`` (and
+    its casts and views) at that size, everything else as predicted.
+
+    ConvNeXt's and CaiT's layer scales start at 1e-6, a zero-initialized gate at 0: neither stays so
+    after the first update, and the gradients they multiply grow with them. Predicted at 1e-6, the
+    gradients behind a ConvNeXt layer scale got scales 2^34 high, and the first Adam step, which
+    moved the layer scale to ~1e-3, made them overflow. The forward's values (what overflow
+    prediction reads) keep the parameter's real size."""
+    floored = dict(value)
+    for n in gm.graph.nodes:
+        source = n
+        while source.op != "placeholder" and ((op_name(source) or "") in _IDENTITY or cast_of(source) is not None):
+            if not source.args or not isinstance(source.args[0], Node):
+                break
+            source = source.args[0]
+        m = value.get(n)
+        if source.meta.get(TRAINABLE_KEY) and m is not None and m.ms < UPDATE_SIZE**2:
+            floored[n] = Moments(m.mean, UPDATE_SIZE**2, max(m.amax, UPDATE_SIZE))
+    return floored
 
 
 def calibrate(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -189,6 +205,7 @@ def _analyze(gm: GraphModule, cfg: Config) -> PassResult:
             grad.setdefault(arg, []).append(None if _empty(arg) else _output_gradient(arg, value))
     known = 0
     limit = headroom(cfg.scaling.margin, gradient_max(cfg.float8))
+    updated = _updated(gm, value)
     for n in reversed(nodes):
         parts = grad.get(n, [])
         # a tuple's elements are disjoint pieces (unbind, chunk): their gradients do not add up
@@ -201,7 +218,7 @@ def _analyze(gm: GraphModule, cfg: Config) -> PassResult:
         n.meta["autoscale_underflow"] = predicted_underflow(g)
         n.meta["autoscale_overflow"] = g.amax > limit
         if n.op in ("call_function", "call_method"):
-            for arg, ga in (_unless_empty(_backward, n, g, value) or {}).items():
+            for arg, ga in (_unless_empty(_backward, n, g, updated) or {}).items():
                 grad.setdefault(arg, []).append(ga)
     return PassResult(gm, modified=False, counts={"nodes": len(nodes), "gradients_known": known})
 

@@ -16,7 +16,6 @@ import autoscale
 from autoscale.passes import PassSpec, analyze_underflow, remove_inplace, run_stage
 from autoscale.passes.analyze_underflow import (
     MOMENTS_KEY,
-    SEED_KEY,
     UPDATE_SIZE,
     Moments,
     calibrate,
@@ -177,17 +176,24 @@ def test_zero_padding_dilutes_and_a_convolution_reads_its_interior() -> None:
     assert 0.8 <= interior / actual <= 1.25
 
 
-def test_a_tiny_trainable_multiplier_is_seeded_at_an_update_size() -> None:
+def test_a_tiny_trainable_multiplier_counts_at_an_update_size_in_the_backward() -> None:
     """ConvNeXt's layer scale starts at 1e-6 and one Adam step makes it ~1e-3: the gradients behind
-    it grow 1000-fold. Seeded at 1e-6, their scales were 2^34 and the second step overflowed; a
-    trainable parameter is seeded no smaller than ``UPDATE_SIZE``. Inputs are not floored."""
+    it grow 1000-fold. Predicted at 1e-6, their scales were 2^34 and the second step overflowed. In
+    the backward a trainable parameter counts at least ``UPDATE_SIZE``; its value, and the values
+    computed from it (what forward-overflow prediction reads), keep their real size, and an input
+    (not a parameter) is never floored."""
     gamma = nn.Parameter(torch.full((8,), 1e-6))
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, requires_grad=True)
     (gm, example), = capture(lambda x, g: (x * g).sum(), x, gamma)  # noqa: B023
     seed_inputs(gm, example)
-    seeds = {n.name: n.meta[SEED_KEY] for n in gm.graph.find_nodes(op="placeholder")}
-    assert math.sqrt(seeds["l_g_"].ms) == pytest.approx(UPDATE_SIZE)
-    assert seeds["l_x_"] == Moments.of(x)
+    run_stage(gm, autoscale.Config(compute="native"), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+    by_name = {n.name: n.meta[MOMENTS_KEY] for n in gm.graph.nodes if MOMENTS_KEY in n.meta}
+    assert by_name["l_g_"]["value"] == Moments.of(gamma)
+    mul, = (n for n in gm.graph.nodes if op_name(n) == "mul")
+    assert mul.meta[MOMENTS_KEY]["value"].std == pytest.approx(1e-6, rel=0.5)
+    assert by_name["l_x_"]["grad"].std == pytest.approx(UPDATE_SIZE, rel=1e-6)  # not 1e-6
+    rows = x.shape[0]  # gamma's gradient sums x over the rows it is broadcast to
+    assert by_name["l_g_"]["grad"].std == pytest.approx(math.sqrt(rows) * float(x.double().pow(2).mean().sqrt()))
 
 
 def test_unknown_op_makes_predictions_unknown_not_an_error() -> None:
