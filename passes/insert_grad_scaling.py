@@ -175,8 +175,9 @@ class _State:
         self.prefix = prefix  # the path of the scaler's model in this graph ("" when compiled directly)
         self.sends: dict[Node, Rows] = {}  # rescale node -> the scale it sends to its input
         self.requires: dict[Node, bool] = {}
-        # The scaler's state is the last input: a rescale of an input (a tied weight's alignment at
-        # its merge, an unscale) goes after every input, not right after its own placeholder.
+        # After a graph break the scaler's state joins the graph as its last inputs (reach_state):
+        # a rescale of an input (a tied weight's alignment where its uses merge, an unscale) goes
+        # after every input, not right after the input's own placeholder.
         self.last_input = list(graph.find_nodes(op="placeholder"))[-1]
 
     def row(self, node: Node) -> int:
