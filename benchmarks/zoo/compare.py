@@ -256,11 +256,12 @@ def compare(entry: ZooModel, *, steps: int = 8, seed: int = 0, executor: str = "
         raise ValueError(f"optimizer {optimizer!r}: the zoo trains with {', '.join(OPTIMIZERS)}")
     model, batch = entry.build(seed)
     result = ZooResult(entry.name, entry.family, steps, executor, optimizer)
-    copies = {m: copy.deepcopy(model) for m in ("torch.amp", "autoscale", "plain", "inductor")}
+    methods = ("torch.amp", "autoscale", "plain", *(("inductor",) if executor == "inductor" else ()))
+    copies = {m: copy.deepcopy(model) for m in methods}  # before float32 trains the original
     ref = _float32(model, batch, steps, result)
     _amp(copies["torch.amp"], batch, steps, ref, result)
     result.plain_graphs = _plain_graphs(copies["plain"], batch)
-    if executor == "inductor":
+    if "inductor" in copies:
         _inductor_float32(copies["inductor"], batch, ref, result)
     _autoscale(copies["autoscale"], batch, steps, ref, executor, result)
     torch._dynamo.reset()
