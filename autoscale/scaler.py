@@ -546,9 +546,8 @@ def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch
         skips.add_(overflow)
         overflows.add_(flagged)
         factor: torch.Tensor | float = backoff
-        if repeated_backoff is not None:
-            again = last_stats[:, STAT["nonfinite"]] > 0
-            factor = torch.where(again, torch.full_like(scales, repeated_backoff), torch.full_like(scales, backoff))
+        if repeated_backoff is not None:  # (last_stats: the previous update's statistics)
+            factor = torch.where(last_stats[:, STAT["nonfinite"]] > 0, repeated_backoff, backoff)
         new = torch.where(flagged, scales * factor, scales)
         if due:
             measured, rule = _rule(scales, stats, bound, growth=growth, headroom=headroom)

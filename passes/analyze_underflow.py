@@ -490,8 +490,8 @@ def _binary(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
     return None
 
 
-# where a normalization op takes its affine weight and bias (rms_norm has no bias: index 5 is None)
-_NORM_ARGS = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4), "rms_norm": (2, 5)}
+# where a normalization op takes its affine weight, bias and eps (rms_norm has no bias: index 5 is None)
+_NORM_ARGS = {"layer_norm": (2, 3, 4), "group_norm": (2, 3, 4), "batch_norm": (3, 4, 7), "rms_norm": (2, 5, 3)}
 
 
 def _product(a: Moments, b: Moments, n: float) -> Moments:
@@ -515,8 +515,7 @@ def _normalized_ms(n: Node, x: Moments, v: dict[Node, Moments | None]) -> tuple[
     batch norm in eval mode by its running variance."""
     name = op_name(n) or ""
     args = list(n.args) + [None] * 8
-    eps_at = {"layer_norm": 4, "group_norm": 4, "batch_norm": 7, "rms_norm": 3}[name]
-    eps = n.kwargs.get("eps", args[eps_at])
+    eps = n.kwargs.get("eps", args[_NORM_ARGS[name][2]])
     if not isinstance(eps, int | float):
         eps = 1e-5 if name != "rms_norm" else torch.finfo(torch.float32).eps
     var = x.ms if name == "rms_norm" else x.std**2
@@ -530,7 +529,7 @@ def _normalized_ms(n: Node, x: Moments, v: dict[Node, Moments | None]) -> tuple[
 def _normalize(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
     """layer/batch/group/RMS norm: the input's spread divided by √(var + eps), then the affine
     weight and bias."""
-    weight_at, bias_at = _NORM_ARGS[op_name(n) or ""]
+    weight_at, bias_at, _ = _NORM_ARGS[op_name(n) or ""]
     args = list(n.args) + [None] * 6
     x = _m(n.args[0], v)
     w = _m(n.kwargs.get("weight", args[weight_at]), v)
@@ -544,15 +543,23 @@ def _normalize(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
     return Moments.gaussian(mean, w_ms * kept + (b.ms if b else 0.0), _numel(n))
 
 
+def _pad_args(n: Node) -> tuple[Any, Any, float]:
+    """``F.pad``'s widths, mode and fill value (0 when not given, nan when not a number)."""
+    def arg(at: int, name: str, default: Any) -> Any:
+        return n.kwargs.get(name, n.args[at] if len(n.args) > at else default)
+
+    fill = arg(3, "value", None)
+    value = 0.0 if fill is None else float(fill) if isinstance(fill, int | float) else math.nan
+    return arg(1, "pad", None), arg(2, "mode", "constant"), value
+
+
 def _pad(n: Node, v: dict[Node, Moments | None]) -> Moments | None:
     """Constant padding: the added entries (``value``, 0 by default) dilute the mean and mean square
     by the share they take; on a small feature map a 1-pixel border is most of it (2x2 -> 4x4)."""
     x = _m(n.args[0], v)
-    mode = n.kwargs.get("mode", n.args[2] if len(n.args) > 2 else "constant")
-    if x is None or mode != "constant":
+    _, mode, fill = _pad_args(n)
+    if x is None or mode != "constant" or math.isnan(fill):
         return x
-    fill = n.kwargs.get("value", n.args[3] if len(n.args) > 3 else None)
-    fill = float(fill) if isinstance(fill, int | float) else 0.0
     kept = _numel(n.args[0]) / max(_numel(n), 1.0)
     return Moments(x.mean * kept + fill * (1 - kept), x.ms * kept + fill**2 * (1 - kept), max(x.amax, abs(fill)))
 
@@ -759,10 +766,8 @@ def _zero_border(x: Node, dims: int) -> list[tuple[int, int]] | None:
     dimension order; None when ``x`` is not such a pad."""
     if op_name(x) != "pad" or not x.args:
         return None
-    widths = x.kwargs.get("pad", x.args[1] if len(x.args) > 1 else None)
-    mode = x.kwargs.get("mode", x.args[2] if len(x.args) > 2 else "constant")
-    fill = x.kwargs.get("value", x.args[3] if len(x.args) > 3 else None)
-    if mode != "constant" or fill not in (None, 0, 0.0) or not isinstance(widths, list | tuple):
+    widths, mode, fill = _pad_args(x)
+    if mode != "constant" or fill != 0.0 or not isinstance(widths, list | tuple):
         return None
     if not all(isinstance(w, int) for w in widths) or len(widths) % 2:
         return None
@@ -796,7 +801,7 @@ def _binary_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict
 
 
 def _normalize_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dict[Node, Moments | None]:
-    weight_at, bias_at = _NORM_ARGS[op_name(n) or ""]
+    weight_at, bias_at, _ = _NORM_ARGS[op_name(n) or ""]
     args = list(n.args) + [None] * 6
     x, w, b = args[0], n.kwargs.get("weight", args[weight_at]), n.kwargs.get("bias", args[bias_at])
     xm, wm = _m(x, v), _m(w, v)
