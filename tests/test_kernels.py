@@ -44,9 +44,14 @@ values = st.one_of(st.floats(width=16, allow_nan=True, allow_infinity=True), st.
 sizes = st.one_of(st.sampled_from([0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5]), st.integers(0, 2500))
 
 
-# (too_slow: on a GPU the first call JITs; filter_too_much: a 64-value list of float16s now and then
-# overruns Hypothesis's buffer, which it counts as a filtered input: seen once in a full run)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+# The kernel property tests' settings. too_slow: on a GPU the first call JITs, and 64-value lists are
+# slow to draw; filter_too_much: a 64-value list of float16s now and then overruns Hypothesis's
+# buffer, which it counts as a filtered input (seen in full runs, in each of the three tests).
+KERNEL_PROPERTIES = settings(max_examples=60, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@KERNEL_PROPERTIES
 @given(size=sizes, data=st.data(), dtype=st.sampled_from([torch.float16, torch.float32]),
        factor=st.sampled_from([1.0, 2.0**10, 2.0**-10, 2.0**24, 2.0**-20]),
        carried=st.sampled_from([1.0, 2.0**15, 2.0**-3]))
@@ -58,8 +63,7 @@ def test_kernel_matches_reference(size: int, data: st.DataObject, dtype: torch.d
     _check(grad.to(DEVICE), factor, carried)
 
 
-@settings(max_examples=60, deadline=None,  # 64-value lists: slow to draw, and now and then an overrun (see above)
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@KERNEL_PROPERTIES
 @given(size=sizes, data=st.data(), dtype=st.sampled_from([torch.float16, torch.float32]),
        factor=st.sampled_from([1.0, 2.0**10, 2.0**-10, 2.0**24, 2.0**-20]),
        carried=st.sampled_from([1.0, 2.0**15, 2.0**-3]))
@@ -78,7 +82,7 @@ def test_cpu_path_measures_what_the_reference_counts(size: int, data: st.DataObj
     assert (bool(m.arrived), bool(m.made), int(m.zeros)) == (counts[0] > 0, counts[3] > 0, int(counts[2]))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@KERNEL_PROPERTIES
 @given(size=sizes, data=st.data(), dtype=st.sampled_from([torch.float16, torch.float32]),
        factor=st.sampled_from([1.0, 2.0**10, 2.0**-10, 2.0**24, 2.0**-20]),
        carried=st.sampled_from([1.0, 2.0**15, 2.0**-3]))
