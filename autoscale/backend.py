@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -107,6 +108,8 @@ class Backend:
         joint_passes = tuple(spec.fn for spec in self.pipeline if spec.stage == "joint")
         key = f"{cfg!r} {[fn.__name__ for fn in joint_passes]}"
         compiled = EXECUTORS[cfg.executor](gm, example_inputs, JointStage(run_joint, joint_passes, key))
+        if (rooted := gm.meta.get(_ROOTED_AT)) is not None:
+            compiled = _only_for(compiled, rooted)
         return _bind_last(compiled, bound) if bound else compiled
 
 
@@ -191,6 +194,9 @@ def reach_state(gm: GraphModule, example_inputs: Sequence[Any]
     # the path of the scaler's model in this graph: where its parameter ``name`` sits
     path = _parameter_name(source)
     prefix = path.removesuffix(name).rstrip(".") if path.endswith(name) else ""
+    # or the other way round: the graph is one submodule's forward (FSDP2's fully_shard'ed blocks)
+    inner = name.removesuffix(path).rstrip(".") if name != path and name.endswith("." + path) else ""
+    rooted = _RootedAt(placeholders.index(node), weakref.ref(x), inner) if inner else None
     bound = [state.scales, state.stats_for_graph(), state.peaks]
     fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
     graph = Graph()
@@ -212,11 +218,67 @@ def reach_state(gm: GraphModule, example_inputs: Sequence[Any]
     attach.meta[PREFIX_KEY] = prefix
     for node in (*added, attach):
         provenance(node, "reach_state", "the GradScaler's state, for a graph after a graph break", created=True)
+    if inner:
+        _root_at(graph, inner, type(state.root.get_submodule(inner)))
     copy = GraphModule(gm, graph)
     copy.meta.update(gm.meta)
+    if rooted is not None:
+        copy.meta[_ROOTED_AT] = rooted
     if hasattr(gm, "_param_name_to_source"):
         copy._param_name_to_source = gm._param_name_to_source
     return copy, bound
+
+
+_ROOTED_AT = "autoscale_rooted_at"
+
+
+@dataclass(frozen=True)
+class _RootedAt:
+    """A graph that is the forward of the submodule at ``path`` of the scaler's model, told by its
+    parameter input ``index`` (``param``)."""
+
+    index: int
+    param: weakref.ref[torch.Tensor]
+    path: str
+
+
+def _root_at(graph: Graph, path: str, module_type: type) -> None:
+    """Place the graph of one submodule's forward (Dynamo's paths start at that submodule) at
+    ``path`` in the scaler's model: every op gets the submodule as its outermost module, so that
+    the passes find each op's layer (its row of scales and statistics) and key by the model's paths.
+    New stacks: the original graph's nodes share their meta with this copy's."""
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module", "get_attr"):
+            continue
+        stack = {"autoscale_root": (f"L['self'].{path}", module_type)}
+        for key, (where, *rest) in (node.meta.get("nn_module_stack") or {}).items():
+            stack[key] = (_GRAPH_ROOT.sub(lambda m: f"{m.group(0)}.{path}", str(where), count=1), *rest)
+        node.meta["nn_module_stack"] = stack
+
+
+_GRAPH_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\.__self__)?")
+
+
+def _only_for(compiled: Callable[..., Any], rooted: _RootedAt) -> Callable[..., Any]:
+    """``compiled``, refusing to run for another submodule than the one it was compiled for.
+
+    Dynamo compiles a module class's forward once and reuses the graph for every instance that
+    passes its guards, and it does not guard on FSDP2-managed modules (``skip_fsdp_guards``): with
+    one backend for the whole model, the graph compiled for ``layers.1`` would run for
+    ``layers.2`` too, scaling and measuring its gradients in ``layers.1``'s row. Give each
+    ``fully_shard``-ed block its own backend instead (Dynamo does not share graphs between
+    backends)."""
+    def run(*args: Any) -> Any:
+        if args[rooted.index] is not rooted.param():
+            raise RuntimeError(
+                f"autoscale: the graph compiled for the submodule {rooted.path!r} is running for another module "
+                "of its class (Dynamo reuses a graph across FSDP2-managed modules, whose guards it skips), which "
+                f"would scale that module's gradients with {rooted.path!r}'s scales. Compile each fully_shard-ed "
+                "block with a backend of its own: "
+                "`for block in blocks: block.compile(backend=autoscale.backend(config))`, and not the whole model")
+        return compiled(*args)
+
+    return run
 
 
 def _bind_last(compiled: Callable[..., Any], bound: list[torch.Tensor]) -> Callable[..., Any]:
@@ -250,8 +312,9 @@ def _parameter_name(source: Any) -> str:
 
 def _seed_scales(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
     """Start the layers' scales from the analysis' prediction, so the first step is already
-    scaled. Only rows still at their initial 1.0 are set: a recompile never undoes what the
-    scaler has learnt.
+    scaled. Only rows no graph has seeded yet are set (``ScaleState.seeded``): a recompile never
+    undoes what the scaler has learnt, nor a compile after ``GradScaler.load_state_dict`` what it
+    loaded (a learnt scale may well be 1).
 
     Without a version bump: after a graph break the graphs compile one after another within a
     step, and an earlier graph has saved the scales for its backward. (Its backward reads only
@@ -260,10 +323,13 @@ def _seed_scales(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
     if not initial:
         return
     scales = example_inputs[gm.meta["autoscale_scales_input"]]
+    state = state_of(scales)
+    seeded = state.seeded if state is not None else set()
     with torch.no_grad(), _unsafe_preserve_version_counter(scales):
         for row, value in initial.items():
-            if float(scales[row]) == 1.0:
+            if row not in seeded:
                 scales[row] = value
+                seeded.add(row)
 
 
 def _register(gm: GraphModule, example_inputs: Sequence[Any], threshold: float) -> None:

@@ -33,7 +33,6 @@ import pickle
 import platform
 import struct
 import tempfile
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ from autoscale.config import Config
 from autoscale.inspect import PrecisionReport
 from autoscale.ops import Attached, resolve
 from autoscale.passes.graph_utils import PROVENANCE_KEY, attach_of, copy_graph_module
-from autoscale.runtime import ScaleState, install_state, unwrap
+from autoscale.runtime import ScaleState, install_state, recoded_forward, unwrap
 
 __all__ = [
     "FORMAT_VERSION",
@@ -367,21 +366,14 @@ def _capture(model: nn.Module, args: tuple[Any, ...]) -> tuple[GraphModule, list
 
 
 def _fresh_forward(model: nn.Module) -> Callable[..., Any]:
-    """``model.forward`` with a code object of its own.
-
-    Dynamo starts from the forward, as ``torch.compile(model)`` does (so layer paths come out as
-    the backend sees them: ``fc1``, not a path through the caller), and keeps its cache entries on
-    that code object: a copy takes them away with it when conversion is done.
-    """
-    forward = model.forward
-    bound_to = getattr(forward, "__self__", None)
-    fn = getattr(forward, "__func__", forward)
-    if not isinstance(fn, types.FunctionType):
-        raise ConvertError(f"{type(model).__name__}.forward is a {type(fn).__name__}, not a Python function; "
-                           "autoscale.convert traces Python forwards")
-    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    fresh.__kwdefaults__ = fn.__kwdefaults__
-    return fresh if bound_to is None else types.MethodType(fresh, bound_to)
+    """``model.forward`` with a code object of its own (``recoded_forward``): Dynamo starts from the
+    forward, as ``torch.compile(model)`` does (so layer paths come out as the backend sees them:
+    ``fc1``, not a path through the caller), and keeps its cache entries on that code object: a
+    copy takes them away with it when conversion is done."""
+    try:
+        return recoded_forward(model)
+    except TypeError as e:
+        raise ConvertError(f"{e}; autoscale.convert traces Python forwards") from None
 
 
 def _empty_like(value: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.fx import Graph, GraphModule
 
 import autoscale.passes
@@ -88,7 +89,11 @@ def compile_eager(gm: GraphModule, example_inputs: Sequence[Any], stage: JointSt
         _run_views_as_reshapes(graph)
         return boxed_nop(graph, list(inputs))
 
-    compiler = aot_autograd(fw_compiler=run, bw_compiler=run, partition_fn=partition,
+    def run_backward(graph: GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+        _write_inputs_as_inductor_does(graph)
+        return run(graph, inputs)
+
+    compiler = aot_autograd(fw_compiler=run, bw_compiler=run_backward, partition_fn=partition,
                             keep_inference_input_mutations=True)
     return compiler(gm, example_inputs)
 
@@ -107,6 +112,22 @@ def _run_views_as_reshapes(gm: GraphModule) -> None:
     """
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
         node.target = torch.ops.aten.reshape.default  # (boxed_nop recompiles)
+
+
+def _write_inputs_as_inductor_does(gm: GraphModule) -> None:
+    """A backward's writes into its inputs (the statistics a rescale point records: AOTAutograd
+    puts them in the backward as ``copy_`` into a tensor saved by the forward) keep that tensor's
+    version counter, as Inductor's kernels do. Bumping it, as a plain ``copy_`` does, made a second
+    backward through the same graph (``backward(retain_graph=True)`` twice: several losses) fail
+    autograd's check that saved tensors are unmodified."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
+        if node.args[0].op == "placeholder":
+            node.target = _copy_keeping_version
+
+
+def _copy_keeping_version(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    with _unsafe_preserve_version_counter(dst):
+        return dst.copy_(src)
 
 
 EXECUTORS: dict[str, Executor] = {"inductor": compile_inductor, "eager": compile_eager}

@@ -8,7 +8,10 @@ scale in place never recompiles, and the compiled backward writes its statistics
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,8 +24,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from autoscale.ops import FP16_MAX, NUM_STATS, STAT
 from autoscale.overflow import ForwardSites
 
-__all__ = ["LOSS_ROW", "LAYOUT_SEP", "ScaleState", "announce_in_forward", "install_state", "owner_of", "state_of",
-           "unwrap"]
+__all__ = ["LOSS_ROW", "LAYOUT_SEP", "ScaleState", "announce_in_forward", "install_state", "owner_of",
+           "recoded_forward", "state_of", "unwrap"]
 
 LOSS_ROW = 0
 LAYOUT_SEP = "\x1f"
@@ -48,6 +51,7 @@ class ScaleState:
         self.graphs = 0  # graphs the backend compiled against this state
         self.scaled_graphs = 0  # of which with scale points (none in bfloat16: nothing to scale)
         self.gradient_max = FP16_MAX  # the smallest max of the formats the graphs round gradients to
+        self.seeded: set[int] = set()  # rows whose scale a graph's analysis or a loaded state_dict set
         # One statistics tensor per graph that the forward's announcement does not reach (a graph
         # after a graph break): each graph's backward writes its own, so that no graph's backward
         # modifies a tensor another graph saved for its backward. ``gather`` folds them in.
@@ -70,6 +74,19 @@ class ScaleState:
         _STATES[scales] = self
         for p in root.parameters():
             _OWNERS[p] = weakref.ref(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ScaleState:
+        """The state of a copy of the model (``copy.deepcopy(model)``: an EMA model, a reference):
+        the same layers, scales, statistics (the copy's buffers) and forward-overflow promotions,
+        and no compiled graph yet. It is registered when first looked for (``_adopt_copies``):
+        while the model is being copied, its buffers are not in place yet."""
+        new = object.__new__(ScaleState)
+        memo[id(self)] = new
+        fresh = {"checked": WeakIdKeyDictionary(), "graphs": 0, "scaled_graphs": 0, "graph_stats": []}
+        for key, value in vars(self).items():
+            setattr(new, key, fresh[key] if key in fresh else copy.deepcopy(value, memo))
+        _COPIES.add(new)
+        return new
 
     def name_of(self, param: torch.Tensor) -> str | None:
         """``param``'s name in the model (``fc1.weight``), or None if it is not the model's."""
@@ -110,17 +127,42 @@ class ScaleState:
 
 _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # scales tensor -> its ScaleState
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref to its model's ScaleState
+_COPIES: weakref.WeakSet[ScaleState] = weakref.WeakSet()  # states of copied models, not registered yet
+
+
+def _adopt_copies() -> None:
+    """Register the states of models copied since the last look (see ``ScaleState.__deepcopy__``)."""
+    for state in list(_COPIES):
+        _COPIES.discard(state)
+        _STATES[state.scales] = state
+        for p in state.root.parameters():
+            _OWNERS[p] = weakref.ref(state)
 
 
 def owner_of(param: torch.Tensor) -> ScaleState | None:
-    """The ScaleState of the model that ``param`` belonged to when the state was installed."""
+    """The ScaleState of the model that ``param`` belonged to when the state was installed, or
+    that has it now.
+
+    The second, for FSDP2: ``fully_shard`` keeps a module's sharded parameters registered between
+    forwards (the ones the state saw) and swaps in unsharded ones for the forward, which are the
+    ones a compiled graph takes as inputs; while they are in place, the model names them. The
+    answer is remembered (FSDP2 reuses the unsharded parameter objects from step to step).
+    """
+    _adopt_copies()
     ref = _OWNERS.get(param)
     state = ref() if ref is not None else None
-    return state if isinstance(state, ScaleState) else None
+    if isinstance(state, ScaleState):
+        return state
+    for candidate in {id(s): s for s in list(_STATES.values()) if isinstance(s, ScaleState)}.values():
+        if candidate.name_of(param) is not None:
+            _OWNERS[param] = weakref.ref(candidate)
+            return candidate
+    return None
 
 
 def state_of(scales: torch.Tensor) -> ScaleState | None:
     """The ScaleState whose scales tensor this is (None if it is no longer any state's)."""
+    _adopt_copies()
     state = _STATES.get(scales)
     return state if isinstance(state, ScaleState) and state.scales is scales else None
 
@@ -148,23 +190,70 @@ def install_state(model: nn.Module, *, moments: bool = False) -> ScaleState:
         return existing
     state = ScaleState(root, [name for name, _ in root.named_modules()], moments=moments)
     object.__setattr__(root, _STATE_ATTR, state)  # a plain attribute, not a submodule
-    announce_in_forward(root, lambda m: torch.ops.autoscale.attach(
-        getattr(m, _SCALES), getattr(m, _STATS), getattr(m, _PEAKS), state.layout, state.moments,
-        state.forward.promoted_key))
+    announce_in_forward(root, _attach)
     return state
+
+
+def _attach(m: nn.Module) -> None:
+    """``install_state``'s announcement: ``m``'s state, looked up on ``m`` (a copy has its own)."""
+    state = getattr(m, _STATE_ATTR)
+    torch.ops.autoscale.attach(getattr(m, _SCALES), getattr(m, _STATS), getattr(m, _PEAKS), state.layout,
+                               state.moments, state.forward.promoted_key)
 
 
 def announce_in_forward(root: nn.Module, announce: Callable[[nn.Module], None]) -> None:
     """Make ``root``'s forward call ``announce(root)`` first: a marker op (``autoscale::attach``,
     ``autoscale::attach_quant``) on a runtime state's buffers, through which Dynamo lifts them into
     the graph as inputs and a pass finds them. The buffers are looked up at each call, so that
-    ``model.to(device)`` carries them along; ``root`` is handed over rather than closed over, so
-    that Dynamo names the graph's inputs after it (``l_root_...``) wherever ``announce`` comes from."""
-    inner = root.forward
+    ``model.to(device)`` carries them along.
 
-    @functools.wraps(inner)
-    def forward(*args: Any, **kw: Any) -> Any:
-        announce(root)
-        return inner(*args, **kw)
-
+    The forward is a ``functools.partial`` of ``_announced`` over ``root``, not a closure:
+    ``copy.deepcopy(model)`` copies a partial's arguments, ``root`` becoming the copy, so a copy
+    runs its own forward (a closure would silently run the original's). And Dynamo's first frame is
+    ``_announced``, with ``root`` a local: the graph's inputs are named after it (``l_root_...``)."""
+    inner = root.__dict__.get("forward")  # a forward set on the instance, or None for its class's
+    wrapped = inner if inner is not None else root.forward
+    forward = functools.partial(_announced, root, announce, inner)
+    functools.update_wrapper(forward, wrapped)
+    del forward.__wrapped__  # type: ignore[attr-defined]  # (a bound method of the original: a copy would keep it)
+    forward.__signature__ = inspect.signature(wrapped)  # type: ignore[attr-defined]  # (Trainers read it)
     root.forward = forward
+
+
+def _announced(root: nn.Module, announce: Callable[[nn.Module], None], inner: Callable[..., Any] | None,
+               *args: Any, **kw: Any) -> Any:
+    announce(root)
+    if inner is not None:
+        return inner(*args, **kw)
+    return type(root).forward(root, *args, **kw)
+
+
+def recoded_forward(module: nn.Module) -> Callable[..., Any]:
+    """``module.forward``, with a code object of its own for the function Dynamo starts from.
+
+    Dynamo keeps compiled graphs per code object. Through a shared one (a class's forward, or
+    ``_announced``, common to every model with a scaler), each capture with a new backend would
+    add an entry until the recompile limit stops compiling, and clearing that cache would drop the
+    user's own compiled code too. A fresh code object starts with an empty cache and takes it along
+    when it is freed. The function is otherwise the same, so Dynamo names the graph's modules as it
+    does for ``torch.compile(model)``. ``TypeError`` when the forward is not Python code.
+    """
+    forward = module.forward
+    if isinstance(forward, functools.partial) and isinstance(forward.func, types.FunctionType):
+        fresh = functools.partial(_recoded(forward.func), *forward.args, **forward.keywords)
+        fresh.__dict__.update(forward.__dict__)
+        return fresh
+    bound_to = getattr(forward, "__self__", None)
+    fn = getattr(forward, "__func__", forward)
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"{type(module).__name__}.forward is a {type(fn).__name__}, not a Python function")
+    return _recoded(fn) if bound_to is None else types.MethodType(_recoded(fn), bound_to)
+
+
+def _recoded(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` with a new (equal) code object."""
+    recoded = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    recoded.__kwdefaults__ = fn.__kwdefaults__
+    recoded.__qualname__ = fn.__qualname__
+    recoded.__dict__.update(fn.__dict__)  # functools.wraps' attributes and the like
+    return recoded

@@ -23,10 +23,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ __all__ = ["GradScaler", "LayerReport"]
 log = logging.getLogger("autoscale")
 
 FP16_MIN_SUBNORMAL = 2.0**-24
+_Outputs = TypeVar("_Outputs", torch.Tensor, Iterable[torch.Tensor])
 
 
 class _Stage(Enum):
@@ -97,6 +99,7 @@ class GradScaler:
         self._last_stats = torch.zeros_like(self._state.stats) if self._state else None
         self._found_inf = torch.zeros((), device=device)  # 0-dim, as fused optimizers expect
         self._skips = torch.zeros((), device=device)
+        self._last_skipped = torch.zeros((), dtype=torch.bool, device=device)
         self._stages: dict[int, _Stage] = {}
         self._steps = 0
         self._telemetry = Path(telemetry) if telemetry is not None else None
@@ -115,12 +118,24 @@ class GradScaler:
     def is_enabled(self) -> bool:
         return self.config.mode != "none"
 
-    def scale(self, outputs: torch.Tensor) -> torch.Tensor:
-        """``outputs`` times the loss scale (1 in adaptive mode: the layers scale themselves, and
-        ``outputs`` comes back as is, with no multiply in the forward and none in the backward)."""
-        if not self._multiplies:
-            return outputs
-        return outputs * self._loss_scale.to(outputs.dtype)
+    def scale(self, outputs: _Outputs) -> _Outputs:
+        """``outputs`` (a tensor, or an iterable of them, as torch.amp takes) times the loss scale.
+
+        In adaptive mode the loss scale is 1 (the layers scale themselves) and ``outputs`` come back
+        as they are, with no multiply in the forward and none in the backward. There, a hook on
+        each output refuses a backward with ``create_graph=True`` (a gradient penalty) in words:
+        the compiled backward writes the layers' statistics, and AOTAutograd cannot differentiate
+        a backward that mutates its inputs; its own error speaks of input mutations."""
+        if isinstance(outputs, torch.Tensor):
+            if not self._multiplies:
+                if self._state is not None and self._state.graphs and outputs.requires_grad:
+                    outputs.register_hook(_refuse_double_backward)
+                return outputs
+            return outputs * self._loss_scale.to(outputs.dtype)
+        if not isinstance(outputs, Iterable):
+            raise ValueError(f"GradScaler.scale takes a tensor or an iterable of tensors, got {type(outputs).__name__}")
+        scaled = (self.scale(o) for o in outputs)
+        return type(outputs)(scaled) if isinstance(outputs, list | tuple) else scaled
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the loss scale and look for inf/nan (once per step)."""
@@ -143,8 +158,20 @@ class GradScaler:
         by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None and p not in checked:
-                    by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+                if p.grad is None or p in checked:
+                    continue
+                if unscale and p.grad.dtype == torch.float16:
+                    raise ValueError(
+                        "Attempting to unscale float16 gradients: keep the parameters float32 (do not call "
+                        "model.half()); the compiled graph casts them to float16 where that is safe.")
+                grad = p.grad
+                if grad.is_sparse:
+                    # as torch.amp does: coalescing adds duplicate indices' values, which may overflow in
+                    # float16, so the check reads the coalesced values
+                    if grad.dtype == torch.float16:
+                        p.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                by_device.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, _), grads in by_device.items():
             found = torch.zeros((), device=device)
             inv_scale = self._loss_scale.double().reciprocal().float() if unscale else torch.ones(())
@@ -157,6 +184,11 @@ class GradScaler:
         """``optimizer.step()`` unless this step overflowed; returns its result, or None if skipped."""
         if not self.is_enabled():
             return optimizer.step(*args, **kwargs)
+        if kwargs.get("closure", args[0] if args else None) is not None:
+            raise RuntimeError(
+                "GradScaler.step does not take a closure (torch.amp's GradScaler refuses one too): the gradients "
+                "the closure makes would be neither checked for inf/nan nor unscaled. Call the closure, then "
+                "scaler.step(optimizer).")
         stage = self._stages.get(id(optimizer), _Stage.READY)
         if stage is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -200,6 +232,10 @@ class GradScaler:
             elif self.config.mode == "dynamic":
                 self._update_dynamic(overflow)
             self._found_inf.zero_()
+        if isinstance(overflow, torch.Tensor):
+            self._last_skipped.copy_(overflow > 0)
+        else:
+            self._last_skipped.fill_(bool(overflow))
         self._steps += 1
         if self._telemetry is not None:
             self._write_telemetry(overflow)
@@ -219,6 +255,19 @@ class GradScaler:
     def skipped_steps(self) -> int:
         """How many steps were skipped for inf/nan so far (reading it syncs with the device)."""
         return int(self._skips.item())
+
+    @property
+    def last_step_skipped(self) -> torch.Tensor:
+        """A 0-dim bool tensor on the model's device: whether the step that the last ``update()``
+        closed was skipped. Reading it on the device costs no sync; ``bool()`` of it syncs."""
+        return self._last_skipped
+
+    @property
+    def applied_steps(self) -> torch.Tensor:
+        """A 0-dim int64 tensor on the model's device: how many steps the optimizer has taken so far
+        (updates minus skipped steps). A learning-rate schedule computed from it stays in step with
+        the optimizer without a sync (docs/reliability.md, "Skipped steps and LR schedulers")."""
+        return (self._steps - self._skips).long()
 
     def get_scale(self) -> float:
         """The loss scale (a host sync); per-layer scales are in ``layers()``."""
@@ -243,6 +292,7 @@ class GradScaler:
             if list(state["layers"]) != list(self._state.layers):
                 raise ValueError("state_dict's layers do not match this model's; load it into the same model")
             self._state.scales.copy_(state["scales"])
+            self._state.seeded.update(range(len(self._state.layers)))  # (a compile now must not re-seed them)
             self._state.stats.copy_(state["stats"])
             self._last_stats.copy_(state["last_stats"])  # type: ignore[union-attr]
             # promotions apply at the next forward: Dynamo's guard on them recompiles the graph
@@ -584,6 +634,15 @@ def _rule(scales: torch.Tensor, stats: torch.Tensor, bound: torch.Tensor | None,
     if bound is not None:
         target = torch.minimum(target, bound).clamp_min(1.0)
     return amax > 0, torch.minimum(torch.exp2(torch.floor(torch.log2(target))), scales * growth)
+
+
+def _refuse_double_backward(grad: torch.Tensor) -> None:
+    """A hook on a scaled output: grad mode is on in a backward only under ``create_graph=True``."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "autoscale: a backward with create_graph=True (a gradient penalty through torch.autograd.grad) reached "
+            "a graph compiled by torch.compile, which cannot be differentiated twice (AOTAutograd has no double "
+            "backward, with any backend). Compute the penalty on an uncompiled model, with torch.amp.")
 
 
 def _erfinv(x: float) -> float:

@@ -41,6 +41,7 @@ from .graph_utils import (
     op_name,
     provenance,
     retyped,
+    sparse_gradient,
     tensor_val,
 )
 from .manager import PassResult
@@ -92,8 +93,9 @@ def _paint_in_range(graph: Graph, cfg: Config, pinned: set[Node]) -> dict[Node, 
     inf). Keeping a reader in float32 can make its neighbours float32 in turn, so this repaints
     until no low-precision op reads a marked value; the forced set only grows, so it ends."""
     big = {n for n in graph.nodes if FORWARD_KEY in n.meta}
-    paint = _paint(graph, cfg, pinned, {})
-    forced: dict[Node, str] = {}
+    forced = {n: "sparse gradient: autograd cannot pass it back through a cast"
+              for n in graph.nodes if sparse_gradient(n)}
+    paint = _paint(graph, cfg, pinned, forced)
     while True:
         # a marked value float32 keeps anyway (a norm's statistics) keeps its own reason
         wanted = {n: str(n.meta[FORWARD_KEY]) for n in big if n in paint and paint[n].low}

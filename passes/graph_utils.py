@@ -17,7 +17,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from autoscale.ops import Attached, emulated, resolve
 
-from .op_tables import FIXED, VIEWS
+from .op_tables import FIXED, SPARSE_GRADIENT, VIEWS
 
 __all__ = [
     "KEY",
@@ -28,6 +28,7 @@ __all__ = [
     "cast_of",
     "copy_graph_module",
     "source_line",
+    "sparse_gradient",
     "dtype_name",
     "float_dtype",
     "inplace_position",
@@ -125,6 +126,15 @@ def op_name(node: Node) -> str | None:
     return name[:-1] if name is not None and _has_inplace_suffix(name) else name
 
 
+def sparse_gradient(node: Node) -> bool:
+    """Whether ``node`` asks for a sparse weight gradient (an op in ``SPARSE_GRADIENT`` with its flag set)."""
+    flag = SPARSE_GRADIENT.get(op_name(node) or "") if node.op in ("call_function", "call_method") else None
+    if flag is None:
+        return False
+    keyword, position = flag
+    return bool(node.kwargs.get(keyword, node.args[position] if len(node.args) > position else False))
+
+
 def mutated_aliases(graph: Graph) -> set[Node]:
     """Every node that may share storage with a tensor that some op of ``graph`` mutates in place.
 
@@ -202,14 +212,16 @@ def float_dtype(node: Any) -> torch.dtype | None:
     return None
 
 
-# The root of a module path as Dynamo spells it: a local or global name, possibly reached through
-# a bound method's ``__self__`` (a forward wrapped by ``GradScaler`` closes over one).
-_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\.__self__)?\.?")
-# Inside the model, wrappers that are the module they wrap: a submodule with such a wrapped
-# forward, reached through it (``inner.forward.__closure__[1].cell_contents.__self__.fc1`` is
-# ``inner.fc1``: the scaler's model is part of the compiled one), and a submodule compiled on its
-# own (``inner._orig_mod.fc1``: Dynamo inlines it into the outer graph).
-_WRAPPED = re.compile(r"\.(?:forward\.__closure__\[\d+\]\.cell_contents\.__self__|_orig_mod)(?=\.|$)")
+# The root of a module path as Dynamo spells it: a frame local or global (``L['root']``,
+# ``L['self']``), possibly reached through a bound method's ``__self__``, or the module whose
+# announcing forward (``GradScaler``'s ``functools.partial`` over it, ``autoscale.runtime``) was
+# compiled on its own, as in ``model.forward = torch.compile(model.forward)`` (``L['fn'].args[0]``).
+_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\.__self__|(?<=\['fn'\])\.args\[0\])?\.?")
+# Inside the model, wrappers that are the module they wrap: a submodule with an announcing forward,
+# reached through it (``inner.forward.args[0].fc1`` is ``inner.fc1``: the scaler's model is part of
+# the compiled one), and a submodule compiled on its own (``inner._orig_mod.fc1``: Dynamo inlines
+# it into the outer graph).
+_WRAPPED = re.compile(r"\.(?:forward\.args\[0\]|_orig_mod)(?=\.|$)")
 _INDEX = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
 
 

@@ -44,6 +44,7 @@ from .graph_utils import (
     provenance,
     redirect_uses,
     requires_grad_map,
+    sparse_gradient,
     tensor_val,
 )
 from .manager import PassResult
@@ -261,6 +262,9 @@ class _State:
             if p not in self.carried:
                 continue
             rows = self.carried[p]
+            if any(sparse_gradient(u) for u in p.users):
+                self._unscale_before_sparse(p)
+                continue
             if rows == {LOSS_ROW}:
                 # Already at the loss scale: unscaling would multiply by 1 and write a copy of the
                 # gradient just to check it. GradScaler.step checks it instead, reading it once
@@ -280,3 +284,21 @@ class _State:
             redirect_uses(p, point)
             unscaled.append(index)
         return unscaled
+
+    def _unscale_before_sparse(self, p: Node) -> None:
+        """Unscale on the outputs of the ops that give ``p`` a sparse gradient (an embedding with
+        ``sparse=True``), while the gradient is still dense: a rescale cannot take a sparse one.
+        ``p`` then receives the loss scale as is; GradScaler checks its gradient for inf/nan."""
+        if not all(sparse_gradient(u) for u in p.users):
+            raise ValueError(
+                f"{p.name} gets a sparse gradient from one op and a dense one from another; autoscale cannot "
+                "unscale that sum. Use sparse=False in its embedding, or untie the weight.")
+        for u in list(p.users):
+            rows = self.carried.get(u)
+            if rows is None or rows == {LOSS_ROW}:
+                continue
+            record = rows | {self.row(p)} if len(u.args) > 1 and u.args[1] is p else frozenset()
+            point = self._rescale(u, frozenset({LOSS_ROW}), rows, record, after=u, like=u,
+                                  reason=f"unscale the gradient into {u.name}, whose weight's gradient is sparse",
+                                  unscale=True)
+            redirect_uses(u, point)

@@ -27,8 +27,8 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
-    "ALLOW", "BOUNDED", "CLEAR", "CREATION", "DENY", "FIXED", "INFER", "META", "NORMALIZATIONS", "VIEWS", "Category",
-    "category_of", "deny_reason",
+    "ALLOW", "BOUNDED", "CLEAR", "CREATION", "DENY", "FIXED", "INFER", "META", "NORMALIZATIONS", "SPARSE_GRADIENT",
+    "VIEWS", "Category", "category_of", "deny_reason",
 ]
 
 
@@ -150,6 +150,14 @@ CREATION: Final = frozenset({
     "tensor", "as_tensor", "scalar_tensor", "lift_fresh", "lift_fresh_copy", "zeros", "ones", "full", "empty",
     "empty_strided", "arange", "linspace", "logspace", "eye", "new_zeros", "new_ones", "new_full", "new_empty",
     "new_tensor", "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
+})
+
+# Ops that can give their weight a sparse gradient: op -> (keyword, position) of the flag that asks for
+# it (``F.embedding(input, weight, ..., sparse)``). Such an op keeps its weight in float32: autograd
+# cannot pass a sparse gradient back through a cast (``ToCopyBackward`` refuses the layout), and a
+# gather needs no low precision to be fast. Its output is cast instead, where a reader wants it.
+SPARSE_GRADIENT: Final[Mapping[str, tuple[str, int]]] = MappingProxyType({
+    "embedding": ("sparse", 6), "embedding_bag": ("sparse", 7),
 })
 
 _BUILTIN: Final[Mapping[str, Category]] = MappingProxyType({

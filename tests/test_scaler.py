@@ -6,12 +6,14 @@ import copy
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoscale
 from autoscale import GradScaler, ScalingConfig
@@ -432,6 +434,119 @@ def test_state_dict_round_trip_continues_bit_identically() -> None:
     assert [r.scale for r in scaler.layers()] == [r.scale for r in scaler2.layers()]
     with pytest.raises(ValueError, match="state_dict is for mode 'adaptive'"):
         GradScaler(mlp_case()[0], ScalingConfig(mode="dynamic")).load_state_dict(saved[2])
+
+
+def test_a_loaded_scale_of_one_is_not_reseeded_by_the_first_compile() -> None:
+    """The first compile seeds the layers' scales from the analysis, but not over a state_dict just
+    loaded: a learnt scale may be exactly 1 (it was re-seeded when rows were told by their value)."""
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model)
+    saved = scaler.state_dict()
+    saved["scales"] = torch.ones_like(saved["scales"])
+    scaler.load_state_dict(saved)
+    compiled = torch.compile(model, backend=autoscale.backend(EVERYWHERE))
+    compiled(x)
+    assert torch.equal(scaler.state_dict()["scales"], saved["scales"])
+    other = mlp_case()[0]
+    fresh = GradScaler(other)
+    torch.compile(other, backend=autoscale.backend(EVERYWHERE))(x)
+    assert (fresh.state_dict()["scales"] != 1).any()  # (without a load, the analysis seeds them)
+
+
+def test_a_deep_copy_of_the_model_runs_itself_with_a_state_of_its_own() -> None:
+    """copy.deepcopy(model) after GradScaler(model) (an EMA model, a reference copy): the copy's
+    forward runs the copy's weights (the forward used to be a closure over the original), and it
+    trains with its own scaler and scales, leaving the original alone."""
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model)
+    compiled = torch.compile(model, backend=autoscale.backend(EVERYWHERE))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_steps(model, scaler, opt, compiled, x, y, 2)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(2)
+    assert not torch.equal(twin(x), model(x))
+    twin_scaler = GradScaler(twin)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    twin_compiled = torch.compile(twin, backend=autoscale.backend(EVERYWHERE))
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    assert _train_steps(twin, twin_scaler, twin_opt, twin_compiled, x, y, 2) == [False, False]
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert {r.name for r in twin_scaler.layers()} == {r.name for r in scaler.layers()}
+    assert twin_scaler._state is not scaler._state and twin_scaler._state.root is twin  # type: ignore[union-attr]
+
+
+def test_compiling_only_the_forward_names_the_layers_as_compiling_the_model_does() -> None:
+    """``model.forward = torch.compile(model.forward)`` (Lightning's ``from_compiled`` does this)
+    reaches the layers through the scaler's announcing forward: they keep their own rows."""
+    names = []
+    for forward_only in (False, True):
+        model, (x,), y = mlp_case()
+        scaler = GradScaler(model)
+        backend = autoscale.backend(EVERYWHERE)
+        if forward_only:
+            model.forward = torch.compile(model.forward, backend=backend)  # type: ignore[method-assign]
+            compiled: nn.Module = model
+        else:
+            compiled = torch.compile(model, backend=backend)  # type: ignore[assignment]
+        _train_steps(model, scaler, torch.optim.SGD(model.parameters(), lr=0.1), compiled, x, y, 1)
+        names.append(sorted(r.name for r in scaler.layers()))
+    assert names[0] == names[1] and "(root)" not in names[1] and len(names[1]) > 1
+
+
+class _CountSyncs(TorchDispatchMode):
+    """Counts reads of a tensor's value by the host (``.item()``, ``bool()``: ``_local_scalar_dense``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.syncs += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "adaptive"])
+def test_lr_schedules_stay_in_step_with_skipped_steps(mode: str) -> None:
+    """pytorch#67590: an LR schedule must not advance on a skipped step. Two recipes
+    (docs/reliability.md): on the host, ``scheduler.step()`` unless ``last_step_skipped``; without
+    a sync, a tensor learning rate computed from ``applied_steps`` (fused AdamW takes one). Both
+    give warm-up's learning rates by optimizer step, the skipped step's rate held."""
+    warmup, base, inject_at = 4, 1e-2, 2
+    config = autoscale.Config(executor="eager", scaling=ScalingConfig(mode=mode, placement="all"))
+    runs: dict[str, list[float]] = {}
+    for recipe in ("host", "device"):
+        torch.manual_seed(0)
+        model, x, y = _Injectable(), torch.randn(8, 16), torch.randint(0, 16, (8,))
+        scaler = GradScaler(model, config)
+        compiled = torch.compile(model, backend=autoscale.backend(config))
+        lr = torch.tensor(base / warmup)  # (the device recipe's: step 0's rate)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr if recipe == "device" else base, fused=True)
+        if recipe == "host":
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: min(1.0, (n + 1) / warmup))
+        used, skipped, syncs = [], [], 0
+        for i in range(7):
+            used.append(float(opt.param_groups[0]["lr"]))
+            model.inject.fill_(float(i == inject_at))
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(F.cross_entropy(compiled(x), y)).backward()
+            with _CountSyncs() as counter:
+                scaler.step(opt)
+                scaler.update()
+                if recipe == "device":  # the schedule as a function of a tensor step count: no sync
+                    lr.copy_(base * torch.clamp((scaler.applied_steps + 1) / warmup, max=1.0))
+            syncs += counter.syncs
+            skipped.append(bool(scaler.last_step_skipped))
+            if recipe == "host" and not skipped[-1]:
+                scheduler.step()
+        assert skipped == [i == inject_at for i in range(7)]
+        assert int(scaler.applied_steps) == 6
+        if recipe == "device" and mode == "dynamic":
+            assert syncs == 0
+        runs[recipe] = used
+    expected = [base * min(1.0, (n + 1) / warmup) for n in (0, 1, 2, 2, 3, 4, 5)]
+    assert runs["host"] == pytest.approx(expected) and runs["device"] == pytest.approx(expected)
 
 
 def test_fused_optimizer_protocol_needs_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,7 +27,17 @@ from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
 from autoscale.passes.graph_utils import PROVENANCE_KEY, attach_of, cast_of, copy_graph_module, dtype_name
 from autoscale.passes.insert_grad_scaling import ScalePoint, insert_grad_scaling, scale_points
-from autoscale.runtime import _PEAKS, _SCALES, _STATE_ATTR, _STATS, LAYOUT_SEP, ScaleState, install_state, unwrap
+from autoscale.runtime import (
+    _PEAKS,
+    _SCALES,
+    _STATE_ATTR,
+    _STATS,
+    LAYOUT_SEP,
+    ScaleState,
+    install_state,
+    recoded_forward,
+    unwrap,
+)
 
 __all__ = ["CapturedGraph", "capture_graphs", "node_lines"]
 
@@ -48,37 +57,21 @@ def capture_graphs(model: nn.Module, example_inputs: Sequence[Any], cfg: Config)
 
 
 def _fresh_forward(module: nn.Module) -> None:
-    """Give ``module`` (the private copy) a forward with a code object of its own.
-
-    Dynamo keeps compiled graphs per code object. Through the shared one (the class's forward, or
-    the scaler's forward wrapper, common to every model with a scaler), each diff (a new backend)
-    would add an entry until the recompile limit stops compiling, and clearing that cache would
-    drop the user's own compiled code too. A fresh code object starts with an empty cache and
-    takes it along when it is freed. The function is otherwise the same, so Dynamo names the
-    graph's modules exactly as the backend sees them.
-    """
-    forward = vars(module).get("forward")
-    if isinstance(forward, types.FunctionType):  # the scaler's wrapper (an instance attribute)
-        vars(module)["forward"] = _recoded(forward)
-    elif isinstance(method := getattr(type(module), "forward", None), types.FunctionType):
-        vars(module)["forward"] = types.MethodType(_recoded(method), module)
-
-
-def _recoded(fn: types.FunctionType) -> types.FunctionType:
-    """``fn`` with a new (equal) code object."""
-    recoded = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    recoded.__kwdefaults__ = fn.__kwdefaults__
-    recoded.__qualname__ = fn.__qualname__
-    recoded.__dict__.update(fn.__dict__)  # functools.wraps' __wrapped__ and the like
-    return recoded
+    """Give ``module`` (the private copy) a forward with a code object of its own
+    (``recoded_forward``: each diff uses a new backend, and must not fill the shared code object's
+    Dynamo cache). A forward that is not Python code is left as it is."""
+    try:
+        vars(module)["forward"] = recoded_forward(module)
+    except TypeError:
+        pass
 
 
 def _private_copy(model: nn.Module, cfg: Config) -> nn.Module:
     """A deep copy of the user's module to capture. Installed scaler state is left out of the copy
-    (its forward wrapper is a closure over the original model) and installed afresh when the
-    config scales adaptively: the scale points need the scaler's state to be placed. The fresh
-    state keeps the original's forward-overflow promotions, so the diff shows the graph the user's
-    model computes now."""
+    and installed afresh when the config scales adaptively: the scale points need the scaler's
+    state to be placed, and the capture must not touch the user's. The fresh state keeps the
+    original's forward-overflow promotions, so the diff shows the graph the user's model computes
+    now."""
     root = unwrap(model)
     state = getattr(root, _STATE_ATTR, None)
     memo: dict[int, Any] = {id(state): None} if state is not None else {}

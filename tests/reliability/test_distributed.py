@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,16 +46,6 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) ->
     row = rank0["scaler"]["layers"].index("layers.0")
     numel = rank0["weights"]["layers.0.weight"].numel()
     assert float(rank0["scaler"]["last_stats"][row, STAT["numel"]]) == WORLD * numel
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    """A gloo process group of one: enough for DDP's wrapping and Dynamo's DDPOptimizer."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("one_rank")
