@@ -12,7 +12,7 @@ STAMP := $(VENV)/.autoscale-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,bench,dev,zoo]"
+	$(PY) -m pip install --quiet -e ".[test,bench,dev,zoo,lightning,huggingface]"
 	touch $(STAMP)
 
 demo: $(STAMP)

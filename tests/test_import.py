@@ -1,4 +1,5 @@
-"""``import autoscale`` stays lean: no triton, no Inductor, no model library, no CUDA initialisation."""
+"""``import autoscale`` stays lean: no triton, no Inductor, no model library, no training framework,
+no CUDA initialisation."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import sys
 PROBE = """
 import sys, torch
 import autoscale
+libraries = ("triton", "transformers", "accelerate", "lightning", "autoscale.integrations")
 heavy = sorted(m for m in sys.modules
-               if m in ("triton", "transformers") or m.startswith(("triton.", "torch._inductor", "transformers.")))
+               if m in libraries or m.startswith(tuple(f"{name}." for name in libraries) + ("torch._inductor",)))
 assert not heavy, heavy
 assert not torch.cuda.is_initialized()
 print("lean")
