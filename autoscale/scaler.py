@@ -44,6 +44,9 @@ log = logging.getLogger("autoscale")
 
 FP16_MIN_SUBNORMAL = 2.0**-24
 _Outputs = TypeVar("_Outputs", torch.Tensor, Iterable[torch.Tensor])
+# GradScaler's tensors that live on the model's device (``GradScaler._follow``)
+_OWN_TENSORS = ("_loss_scale", "_growth_tracker", "_hysteresis", "_overflows", "_last_stats", "_found_inf", "_skips",
+                "_last_skipped")
 
 
 class _Stage(Enum):
@@ -127,6 +130,7 @@ class GradScaler:
         the compiled backward writes the layers' statistics, and AOTAutograd cannot differentiate
         a backward that mutates its inputs; its own error speaks of input mutations."""
         if isinstance(outputs, torch.Tensor):
+            self._follow(self._state.scales.device if self._state is not None else outputs.device)
             if not self._multiplies:
                 if self._state is not None and self._state.graphs and outputs.requires_grad:
                     outputs.register_hook(_refuse_double_backward)
@@ -266,7 +270,7 @@ class GradScaler:
     def applied_steps(self) -> torch.Tensor:
         """A 0-dim int64 tensor on the model's device: how many steps the optimizer has taken so far
         (updates minus skipped steps). A learning-rate schedule computed from it stays in step with
-        the optimizer without a sync (docs/reliability.md, "Skipped steps and LR schedulers")."""
+        the optimizer without a sync (docs/gradscaler.md, "Skipped steps and learning-rate schedules")."""
         return (self._steps - self._skips).long()
 
     def get_scale(self) -> float:
@@ -335,6 +339,16 @@ class GradScaler:
         return list(self._state.forward.promoted.values()) if self._state is not None else []
 
     # --------------------------------------------------------------------------- internals
+
+    def _follow(self, device: torch.device) -> None:
+        """Move the scaler's own tensors to ``device``, the model's now: ``GradScaler(model)`` then
+        ``model.cuda()`` moves the model's scale buffers but not these (torch.amp's scaler, made
+        lazily at the first ``scale()``, has no such order)."""
+        if self._found_inf.device == device:
+            return
+        for name in _OWN_TENSORS:
+            if (tensor := getattr(self, name)) is not None:
+                setattr(self, name, tensor.to(device))
 
     def _overflowed(self) -> torch.Tensor:
         """A 0-dim tensor, 1.0 when this step saw inf/nan anywhere (on any rank)."""

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import autoscale
 from autoscale import GradScaler, ScalingConfig
 from autoscale.ops import NUM_STATS, SCALE_RANGE, STAT
-from autoscale.scaler import adaptive_update
+from autoscale.scaler import _OWN_TENSORS, adaptive_update
 from benchmarks.stress_underflow import best_global_scale, run, table
 from tests.helpers import Comparison, assert_matches_fp32, keeps_roundings, step
 from tests.models import conv_case, mlp_case, mobilenet_case
@@ -493,6 +493,28 @@ def test_compiling_only_the_forward_names_the_layers_as_compiling_the_model_does
         _train_steps(model, scaler, torch.optim.SGD(model.parameters(), lr=0.1), compiled, x, y, 1)
         names.append(sorted(r.name for r in scaler.layers()))
     assert names[0] == names[1] and "(root)" not in names[1] and len(names[1]) > 1
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "adaptive"])
+def test_the_scalers_tensors_follow_the_model_to_its_device(mode: str) -> None:
+    """GradScaler(model), then model.to(device): the first scale() brings the scaler's own tensors
+    along (checked here with the meta device; the CUDA run is test_follows_the_model_to_cuda)."""
+    model, (x,), _ = mlp_case()
+    scaler = GradScaler(model, ScalingConfig(mode=mode))
+    model.to("meta")
+    scaler.scale(torch.ones((), device="meta"))
+    assert {getattr(scaler, name).device.type for name in _OWN_TENSORS if getattr(scaler, name) is not None} == {
+        "meta"}
+
+
+@pytest.mark.gpu
+def test_follows_the_model_to_cuda() -> None:
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model)
+    model.cuda()
+    compiled = torch.compile(model, backend=autoscale.backend(EVERYWHERE))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert _train_steps(model, scaler, opt, compiled, x.cuda(), y.cuda(), 2) == [False, False]
 
 
 class _CountSyncs(TorchDispatchMode):
