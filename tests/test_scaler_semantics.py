@@ -159,9 +159,13 @@ def run_case(r: Rig, step: Callable[[Rig, int, torch.Tensor, torch.Tensor], None
 
 
 def plain_step(r: Rig, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    r.optimizers[0].zero_grad(set_to_none=True)
+    backward_and_step(r, i, F.mse_loss(r(x).float(), y))
+
+
+def backward_and_step(r: Rig, i: int, loss: torch.Tensor) -> None:
+    """The scaled loop's backward, step and update; the unscaled reference skips ``SKIP_ITER`` by hand."""
     (opt,) = r.optimizers
-    opt.zero_grad(set_to_none=True)
-    loss = F.mse_loss(r(x).float(), y)
     if r.scaled:
         r.scaler.scale(loss).backward()
         r.scaler.step(opt)
@@ -440,15 +444,7 @@ def test_gradient_penalty(kind: str) -> None:
         else:
             grads = torch.autograd.grad(loss, params, create_graph=True)
         penalty = torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
-        loss = loss + penalty
-        if r.scaled:
-            r.scaler.scale(loss).backward()
-            r.scaler.step(opt)
-            r.scaler.update()
-        else:
-            loss.backward()
-            if i != SKIP_ITER:
-                opt.step()
+        backward_and_step(r, i, loss + penalty)
 
     r, ref = pair(kind, _Model)
     if kind != "torch.amp":

@@ -166,6 +166,19 @@ def test_tensor_creation_is_classified_not_reported_as_unknown() -> None:
     assert not any(i.op == "linear" for i in report.islands)  # the layers still compute in float16
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_an_embedding_with_a_sparse_gradient_stays_float32_and_its_output_is_cast(sparse: bool) -> None:
+    """Autograd cannot pass a sparse gradient back through a cast (``ToCopyBackward`` refuses the
+    layout): an embedding with ``sparse=True`` keeps its float32 weight, and the cast moves to its
+    output; a dense one follows the linear after it into float16 (a clear op)."""
+    emb, lin = nn.Embedding(16, 8, sparse=sparse), nn.Linear(8, 4)
+    gm = rewrite(lambda i: lin(emb(i)), torch.tensor([[1, 2], [3, 4]]))
+    assert _precision(gm, "linear") == "float16"
+    assert _precision(gm, "embedding") == ("float32" if sparse else "float16")
+    reason = next(n for n in gm.graph.nodes if op_name(n) == "embedding").meta[PROVENANCE_KEY]["reason"]
+    assert reason.startswith("sparse gradient") is sparse
+
+
 def test_a_tensor_attribute_is_a_view_not_metadata() -> None:
     """``x.T`` reaches the graph as ``getattr(x, "T")``, an op the tables list as metadata (never
     cast): it returns a tensor, and follows its input's precision like any view (it was left
