@@ -157,12 +157,13 @@ class GradScaler:
         """Note any inf/nan in the gradients, on the device, and divide them by the loss scale if
         ``unscale``. Gradients a compiled graph already checked as it unscaled them (adaptive
         mode) are skipped: that check was fused into the backward, and this would be another pass
-        over their memory."""
+        over their memory. Not those of parameters with gradient hooks, which run after the graph
+        and may change them (an inf they write would otherwise reach the weights)."""
         checked = self._state.checked if self._state is not None else {}
         by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is None or p in checked:
+                if p.grad is None or (p in checked and not (p._backward_hooks or p._post_accumulate_grad_hooks)):
                     continue
                 if unscale and p.grad.dtype == torch.float16:
                     raise ValueError(
