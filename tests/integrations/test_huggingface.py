@@ -125,6 +125,19 @@ def test_trainer_trains_through_the_backend_close_to_float32(tmp_path: Path) -> 
     assert all(error[k] < 0.1 * moved[k] for k in matrices), {k: float(error[k] / moved[k]) for k in matrices}
 
 
+def test_evaluation_and_prediction_run_the_uncompiled_model(tmp_path: Path) -> None:
+    """eval_strategy, evaluate() and predict() evaluate ``trainer.model``: the float32 module, not the
+    compiled one (no graph is compiled for them), and training goes on through the backend."""
+    trainer = AutoscaleTrainer(model=_model(), args=_args(tmp_path, eval_strategy="steps", eval_steps=4, max_steps=8),
+                               train_dataset=_Tokens(), eval_dataset=_Tokens(), autoscale_config=CONFIG)
+    trainer.train()
+    evaluated = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+    assert len(evaluated) == 2 and all(math.isfinite(v) for v in evaluated) and evaluated[1] < evaluated[0]
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evaluated[1])
+    assert math.isfinite(trainer.predict(_Tokens()).metrics["test_loss"])
+    assert len(trainer.accelerator.autoscale_backend.records) == 1  # the training graph only
+
+
 class _Norms(TrainerCallback):
     """The gradients' norm as the optimizer will see them (after clipping)."""
 

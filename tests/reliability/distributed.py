@@ -14,6 +14,7 @@ weights, optimizer state, per-layer scales (and promotions) and the steps its sc
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
 from pathlib import Path
@@ -45,33 +46,44 @@ def _worker(rank: int, steps: int, out: Path) -> None:
     faulthandler.dump_traceback_later(240, exit=True)
     dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
     try:
-        torch.manual_seed(0)
-        net = Net()
-        # broadcast_buffers=False: the injector's modes buffer is per rank (rank 1 injects alone)
-        ddp = DistributedDataParallel(net, broadcast_buffers=False)
-        scaler = autoscale.GradScaler(ddp)
-        opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
-        run = torch.compile(ddp, backend=autoscale.backend(autoscale.Config(executor="eager")))
-        skipped = []
-        for step in range(steps):
-            x, y = _batch(rank, step)
-            if rank == 1 and step == FORWARD_OVERFLOW:
-                x = x * 1e5
-            net.modes.zero_()
-            if rank == 1 and step in INJECTED:
-                layer, mode = INJECTED[step]
-                net.modes[layer] = mode
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(F.cross_entropy(run(x), y)).backward()
-            scaler.step(opt)
-            scaler.update()
-            if scaler.skipped_steps > len(skipped):
-                skipped.append(step)
-        torch.save({"weights": {k: v for k, v in net.state_dict().items() if k != "modes"},
-                    "optimizer": opt.state_dict(), "scaler": scaler.state_dict(), "skipped": skipped},
-                   out / f"rank{rank}.pt")
+        _train(rank, steps, out)
+        # DDP's reducer holds the process group: free it while the group is alive, and let both ranks
+        # finish before either tears the group down. (Once in a full run a rank hung here for 240 s
+        # after its worker function had returned: faulthandler showed no frame below spawn's wrapper,
+        # i.e. in a destructor. Not reproduced since; this ordering is the mitigation.)
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _train(rank: int, steps: int, out: Path) -> None:
+    """The run, its results saved; DDP, the compiled model and the scaler die when it returns."""
+    torch.manual_seed(0)
+    net = Net()
+    # broadcast_buffers=False: the injector's modes buffer is per rank (rank 1 injects alone)
+    ddp = DistributedDataParallel(net, broadcast_buffers=False)
+    scaler = autoscale.GradScaler(ddp)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    run = torch.compile(ddp, backend=autoscale.backend(autoscale.Config(executor="eager")))
+    skipped = []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        if rank == 1 and step == FORWARD_OVERFLOW:
+            x = x * 1e5
+        net.modes.zero_()
+        if rank == 1 and step in INJECTED:
+            layer, mode = INJECTED[step]
+            net.modes[layer] = mode
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(F.cross_entropy(run(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        if scaler.skipped_steps > len(skipped):
+            skipped.append(step)
+    torch.save({"weights": {k: v for k, v in net.state_dict().items() if k != "modes"},
+                "optimizer": opt.state_dict(), "scaler": scaler.state_dict(), "skipped": skipped},
+               out / f"rank{rank}.pt")
 
 
 def main(argv: list[str]) -> None:
