@@ -103,6 +103,7 @@ class GradScaler:
         self._found_inf = torch.zeros((), device=device)  # 0-dim, as fused optimizers expect
         self._skips = torch.zeros((), device=device)
         self._last_skipped = torch.zeros((), dtype=torch.bool, device=device)
+        self._last_skipped_maybe = False  # whether _last_skipped may hold True (else a clean step writes nothing)
         self._stages: dict[int, _Stage] = {}
         self._steps = 0
         self._telemetry = Path(telemetry) if telemetry is not None else None
@@ -130,7 +131,7 @@ class GradScaler:
         the compiled backward writes the layers' statistics, and AOTAutograd cannot differentiate
         a backward that mutates its inputs; its own error speaks of input mutations."""
         if isinstance(outputs, torch.Tensor):
-            self._follow(self._state.scales.device if self._state is not None else outputs.device)
+            self._follow(self._state.stats.device if self._state is not None else outputs.device)
             if not self._multiplies:
                 if self._state is not None and self._state.graphs and outputs.requires_grad:
                     outputs.register_hook(_refuse_double_backward)
@@ -239,8 +240,10 @@ class GradScaler:
             self._found_inf.zero_()
         if isinstance(overflow, torch.Tensor):
             self._last_skipped.copy_(overflow > 0)
-        else:
+            self._last_skipped_maybe = True
+        elif overflow or self._last_skipped_maybe:  # (the common clean step, known on the host: no op)
             self._last_skipped.fill_(bool(overflow))
+            self._last_skipped_maybe = bool(overflow)
         self._steps += 1
         if self._telemetry is not None:
             self._write_telemetry(overflow)

@@ -544,7 +544,8 @@ def test_lr_schedules_stay_in_step_with_skipped_steps(mode: str) -> None:
         scaler = GradScaler(model, config)
         compiled = torch.compile(model, backend=autoscale.backend(config))
         lr = torch.tensor(base / warmup)  # (the device recipe's: step 0's rate)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr if recipe == "device" else base, fused=True)
+        # (the host recipe with a plain AdamW: step() syncs, update() knows the flag on the host)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr if recipe == "device" else base, fused=recipe == "device")
         if recipe == "host":
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: min(1.0, (n + 1) / warmup))
         used, skipped, syncs = [], [], 0
