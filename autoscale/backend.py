@@ -27,7 +27,7 @@ from autoscale.inspect import PrecisionReport, precision_report
 from autoscale.ops import watch
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
-from autoscale.passes.graph_utils import PREFIX_KEY, dtype_name, is_attach, provenance
+from autoscale.passes.graph_utils import DYNAMO_ROOT, PREFIX_KEY, dtype_name, is_attach, provenance
 from autoscale.passes.insert_overflow_checks import SITES_KEY
 from autoscale.runtime import ScaleState, owner_of, state_of
 
@@ -252,11 +252,8 @@ def _root_at(graph: Graph, path: str, module_type: type) -> None:
             continue
         stack = {"autoscale_root": (f"L['self'].{path}", module_type)}
         for key, (where, *rest) in (node.meta.get("nn_module_stack") or {}).items():
-            stack[key] = (_GRAPH_ROOT.sub(lambda m: f"{m.group(0)}.{path}", str(where), count=1), *rest)
+            stack[key] = (DYNAMO_ROOT.sub(lambda m: f"{m.group(0)}.{path}", str(where), count=1), *rest)
         node.meta["nn_module_stack"] = stack
-
-
-_GRAPH_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\.__self__)?")
 
 
 def _only_for(compiled: Callable[..., Any], rooted: _RootedAt) -> Callable[..., Any]:

@@ -20,6 +20,7 @@ from autoscale.ops import Attached, emulated, resolve
 from .op_tables import FIXED, SPARSE_GRADIENT, VIEWS
 
 __all__ = [
+    "DYNAMO_ROOT",
     "KEY",
     "MAY_ALIAS",
     "PREFIX_KEY",
@@ -216,7 +217,8 @@ def float_dtype(node: Any) -> torch.dtype | None:
 # ``L['self']``), possibly reached through a bound method's ``__self__``, or the module whose
 # announcing forward (``GradScaler``'s ``functools.partial`` over it, ``autoscale.runtime``) was
 # compiled on its own, as in ``model.forward = torch.compile(model.forward)`` (``L['fn'].args[0]``).
-_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\.__self__|(?<=\['fn'\])\.args\[0\])?\.?")
+DYNAMO_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\.__self__|(?<=\['fn'\])\.args\[0\])?")
+_ROOT = re.compile(DYNAMO_ROOT.pattern + r"\.?")
 # Inside the model, wrappers that are the module they wrap: a submodule with an announcing forward,
 # reached through it (``inner.forward.args[0].fc1`` is ``inner.fc1``: the scaler's model is part of
 # the compiled one), and a submodule compiled on its own (``inner._orig_mod.fc1``: Dynamo inlines

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -45,6 +45,9 @@ from autoscale.backend import Backend, autoscale_backend
 from autoscale.config import Config
 from autoscale.runtime import unwrap
 from autoscale.scaler import GradScaler
+
+if TYPE_CHECKING:  # (a private name of Lightning's, for the type only)
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 
 __all__ = ["AutoscaleFabricPrecision", "AutoscalePrecision"]
 
@@ -66,6 +69,14 @@ class _AutoscaleMixin:
     The two plugins differ only in the hooks Lightning calls (``optimizer_step``'s signature and
     where the model is known to be on its device), so the logic lives here.
     """
+
+    precision: _PRECISION_INPUT_STR  # (Lightning's attribute: what trainer.precision reports)
+
+    def __init__(self, *, config: Config | None = None, backend: Backend | None = None,
+                 telemetry: str | Path | None = None) -> None:
+        super().__init__()
+        self._setup_autoscale(config, backend, telemetry)
+        self.precision = self._precision_flag()
 
     def _setup_autoscale(self, config: Config | None, backend: Backend | None, telemetry: str | Path | None) -> None:
         if config is not None and not isinstance(config, Config):
@@ -246,12 +257,6 @@ class AutoscalePrecision(_AutoscaleMixin, Precision):
         telemetry: a JSON-lines path for the scaler's per-step telemetry.
     """
 
-    def __init__(self, *, config: Config | None = None, backend: Backend | None = None,
-                 telemetry: str | Path | None = None) -> None:
-        super().__init__()
-        self._setup_autoscale(config, backend, telemetry)
-        self.precision = self._precision_flag()
-
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Uncompile what the user compiled (or refuse it) before the strategy moves and wraps it."""
         return self._prepare(module)
@@ -304,12 +309,6 @@ class AutoscaleFabricPrecision(_AutoscaleMixin, FabricPrecision):
     the state to checkpoint the scaler: ``fabric.save(path, {"model": m, "optimizer": o,
     "scaler": plugin})``; ``fabric.load`` before the first forward is fine (the state waits).
     """
-
-    def __init__(self, *, config: Config | None = None, backend: Backend | None = None,
-                 telemetry: str | Path | None = None) -> None:
-        super().__init__()
-        self._setup_autoscale(config, backend, telemetry)
-        self.precision = self._precision_flag()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Remember the module (one per plugin) for the first forward; refuse what cannot work now."""
