@@ -24,14 +24,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport, precision_report
-from autoscale.ops import watch
+from autoscale.ops import rescale, watch
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
 from autoscale.passes.graph_utils import DYNAMO_ROOT, PREFIX_KEY, dtype_name, is_attach, provenance
 from autoscale.passes.insert_overflow_checks import SITES_KEY
 from autoscale.runtime import ScaleState, owner_of, state_of
 
-__all__ = ["Backend", "CompileRecord", "JointStage", "autoscale_backend", "backend", "reach_state", "rewrite_graph"]
+__all__ = ["Backend", "CompileRecord", "autoscale_backend", "backend", "reach_state", "rewrite_graph"]
 
 log = logging.getLogger("autoscale")
 
@@ -47,19 +47,6 @@ class CompileRecord:
     low_precision_parameters: tuple[str, ...] = ()
     """Trainable parameters that arrive in float16/bfloat16 (``model.half()``): computed with as
     given, with no float32 master copy."""
-
-
-@dataclass(frozen=True)
-class JointStage:
-    """The joint stage of the pipeline, bound to one compile, as the executors receive it.
-
-    ``run`` rewrites AOTAutograd's joint graph in place; ``passes`` and ``key`` (the config and
-    pass names) identify what it does, for Inductor's caches.
-    """
-
-    run: Callable[[GraphModule], None]
-    passes: tuple[Callable[..., Any], ...]
-    key: str
 
 
 class Backend:
@@ -82,7 +69,7 @@ class Backend:
         return [r.report for r in self.records]
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        from autoscale.executors import EXECUTORS, inductor_keeps_roundings  # Inductor: only when compiling
+        from autoscale.executors import EXECUTORS, JointStage, inductor_keeps_roundings  # Inductor: only when compiling
 
         _refuse_ddp_split(example_inputs)
         if self.config.scaling.mode == "adaptive" and (reached := reach_state(gm, example_inputs)):
@@ -108,6 +95,8 @@ class Backend:
         joint_passes = tuple(spec.fn for spec in self.pipeline if spec.stage == "joint")
         key = f"{cfg!r} {[fn.__name__ for fn in joint_passes]}"
         compiled = EXECUTORS[cfg.executor](gm, example_inputs, JointStage(run_joint, joint_passes, key))
+        if cfg.executor == "inductor" and (state := _state_of_graph(gm, example_inputs)) is not None:
+            state.inductor_graphs += 1  # (the scaler compiles its update too: docs/results/overhead.md)
         if (rooted := gm.meta.get(_ROOTED_AT)) is not None:
             compiled = _only_for(compiled, rooted)
         return _bind_last(compiled, bound) if bound else compiled
@@ -329,21 +318,28 @@ def _seed_scales(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
                 seeded.add(row)
 
 
+def _state_of_graph(gm: GraphModule, example_inputs: Sequence[Any]) -> ScaleState | None:
+    """The scaler state whose scales the graph reads, if any."""
+    index = gm.meta.get("autoscale_scales_input")
+    return state_of(example_inputs[index]) if index is not None else None
+
+
 def _register(gm: GraphModule, example_inputs: Sequence[Any], threshold: float) -> None:
     """Tell the scaler's state that a graph serves it, and which inputs' gradients that graph checks
     for inf/nan, so that ``GradScaler.step`` does not make another pass over them."""
-    index = gm.meta.get("autoscale_scales_input")
-    state = state_of(example_inputs[index]) if index is not None else None
+    state = _state_of_graph(gm, example_inputs)
     if state is None:
         return
     state.graphs += 1
+    for point in gm.graph.find_nodes(op="call_function", target=rescale):
+        state.measured_rows.update(point.args[5])  # (its record_rows: ``GradScaler.layers`` lists them)
     _register_sites(gm, state, threshold)
     if gm.meta.get("autoscale_scaling_needed", True):
         state.scaled_graphs += 1
         state.gradient_max = min(state.gradient_max, gm.meta.get("autoscale_gradient_max", state.gradient_max))
     for i in gm.meta.get("autoscale_checked_inputs", []):
         if isinstance(example_inputs[i], torch.Tensor):  # (a loaded converted module has no user inputs yet)
-            state.checked[example_inputs[i]] = True
+            state.checked.add(example_inputs[i])
 
 
 def _register_sites(gm: GraphModule, state: ScaleState, threshold: float) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,22 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.fx import Graph, GraphModule
 
 import autoscale.passes
-from autoscale.backend import JointStage
 
-__all__ = ["EXECUTORS", "inductor_keeps_roundings"]
+__all__ = ["EXECUTORS", "JointStage", "inductor_keeps_roundings"]
+
+
+@dataclass(frozen=True)
+class JointStage:
+    """The joint stage of the pipeline, bound to one compile, as the executors receive it.
+
+    ``run`` rewrites AOTAutograd's joint graph in place; ``passes`` and ``key`` (the config and
+    pass names) identify what it does, for Inductor's caches.
+    """
+
+    run: Callable[[GraphModule], None]
+    passes: tuple[Callable[..., Any], ...]
+    key: str
+
 
 Executor = Callable[[GraphModule, Sequence[Any], JointStage], Callable[..., Any]]
 

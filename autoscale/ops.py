@@ -6,7 +6,8 @@ the forward. In the backward it multiplies the arriving gradient by
     factor = max(scales[out_rows]) / max(scales[in_rows])        (an empty set means 1)
 
 — the scales are powers of two, so this is exact unless it overflows — and, when
-``record_rows`` is not empty, adds the gradient's statistics to those rows of ``stats``. Every
+``record_rows`` is not empty, records the gradient's statistics in those rows of ``stats``
+(``autoscale.measure``: what a point measures, and how it is recorded). Every
 scale in ``scales`` is an *absolute* target: the total scale a gradient carries after that
 layer's scale point (row 0 is the loss scale). A scale point is ``out_rows=(r,)`` with
 ``in_rows`` the scale the gradient arrives with; aligning branches at a merge is
@@ -14,9 +15,7 @@ layer's scale point (row 0 is the loss scale). A scale point is ``out_rows=(r,)`
 ``out_rows=(0,)`` with ``unscale`` set (that gradient leaves the graph, and its zeros are counted).
 
 Statistics are normalized by the scale the gradient arrived with, so the update rule sees
-magnitudes at unit scale and needs no knowledge of the graph. ``scale_and_measure`` is the
-point's computation: the fused Triton kernel on CUDA, plain torch that Inductor fuses elsewhere.
-``scale_grad_reference`` is the oracle both are tested against.
+magnitudes at unit scale and needs no knowledge of the graph.
 
 ``watch(x, peaks, slot)`` is the forward's overflow check: it folds ``max |x|`` into one slot of
 the scaler's ``peaks`` (``passes/insert_overflow_checks.py``).
@@ -29,15 +28,15 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 from typing import Any, NamedTuple
 
 import torch
 
+from autoscale.measure import MAX, NUM_STATS, STAT, point_backward, record
+
 __all__ = [
-    "COUNTS", "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "NUM_STATS", "PROMOTED_SEP", "SCALE_RANGE", "STAT", "Attached",
-    "Measured", "attach", "emulated", "gradient_max", "headroom", "rescale", "resolve", "scale_and_measure",
-    "scale_grad_reference", "watch",
+    "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "NUM_STATS", "PROMOTED_SEP", "SCALE_RANGE", "STAT", "Attached", "attach",
+    "emulated", "gradient_max", "headroom", "rescale", "resolve", "watch",
 ]
 
 FP16_MAX = 65504.0
@@ -63,9 +62,6 @@ def gradient_max(float8: bool) -> float:
     """The largest finite value of the format gradients are rounded to."""
     return E5M2_MAX if float8 else FP16_MAX
 
-# Columns of the stats tensor (one row per layer).
-STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5, "numel": 6}
-NUM_STATS = len(STAT)
 
 
 @torch.library.custom_op("autoscale::attach", mutates_args=("stats", "peaks"))
@@ -101,170 +97,16 @@ PROMOTED_SEP = "\x1e"
 def watch(x: torch.Tensor, peaks: torch.Tensor, slot: int) -> None:
     """Fold ``max |x|`` into ``peaks[slot]``: a forward overflow check, inserted after a float16 value.
 
-    NaN propagates through ``amax`` and ``maximum``, so one reduction tells all three things the
-    scaler asks: non-finite (inf or nan), near float16's max, and the measured peak. Written as a
-    plain in-place update of a graph input, so that Inductor fuses the reduction into the kernel
-    that produces ``x`` and functionalization writes the slot back at the end of the forward.
+    NaN propagates through ``amax`` and the fold's max, so one reduction tells all three things the
+    scaler asks: non-finite (inf or nan), near float16's max, and the measured peak. The reduction
+    is fused by Inductor into the kernel that produces ``x``; the slot is written through
+    ``autoscale.measure.record``, which ``passes/batch_records.py`` folds with the graph's other
+    checks into one update of ``peaks`` at the end of the forward.
     """
     if x.numel() == 0:
         return
     peak = x.detach().abs().amax().float()
-    peaks[slot] = torch.maximum(peaks[slot], peak)
-
-
-COUNTS = ("arrived_nonfinite", "elements", "zeros", "made_nonfinite", "underflowed")
-
-
-def scale_grad_reference(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One gradient through a rescale point, in plain torch: ``(out, fstats, counts)``.
-
-    ``out`` is ``grad·factor`` in grad's dtype with the values this made non-finite set to 0;
-    ``fstats`` = [max |g|/carried, Σ g/carried, Σ (g/carried)²] over grad's finite values;
-    ``counts`` (int64) as named by ``COUNTS``: arrived non-finite, elements, zeros in grad, made
-    non-finite, and underflowed (finite non-zero values that ``out`` rounds to zero). The oracle of
-    the Triton kernel (``autoscale.kernels.scale_grad``) and of ``scale_and_measure``.
-    """
-    g = grad.float()
-    finite = torch.isfinite(g)
-    safe = torch.where(finite, g, 0.0) / carried.float()
-    scaled = (g * factor.float()).to(grad.dtype)
-    made = torch.isfinite(scaled)
-    out = torch.where(made, scaled, torch.zeros((), dtype=grad.dtype, device=grad.device))
-    zero = torch.zeros((), device=g.device)
-    fstats = torch.stack([safe.abs().amax() if g.numel() else zero, safe.sum(), (safe * safe).sum()]).float()
-    counts = torch.stack([
-        (~finite).sum(),
-        torch.tensor(g.numel(), device=g.device),
-        (g == 0).sum(),
-        (finite & ~made).sum(),
-        (finite & (g != 0) & (out == 0)).sum(),
-    ]).to(torch.int64)
-    return out, fstats, counts
-
-
-class Measured(NamedTuple):
-    """What a rescale point measures of the gradient it rescales, as 0-dim tensors: the statistics
-    over its finite values at unit scale (``amax``, ``total``, ``squares``: max |g|, Σ g, Σ g²), whether
-    any value arrived non-finite, whether the rescale made any finite value non-finite, and how
-    many values are exactly zero."""
-
-    amax: torch.Tensor
-    total: torch.Tensor
-    squares: torch.Tensor
-    arrived: torch.Tensor
-    made: torch.Tensor
-    zeros: torch.Tensor
-
-
-def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False
-                      ) -> tuple[torch.Tensor, Measured]:
-    """The rescale point's backward: ``out`` as in ``scale_grad_reference`` and its ``Measured``.
-
-    On CUDA, the fused Triton kernel (imported on first use: ``import autoscale`` stays
-    triton-free). Elsewhere, plain torch that Inductor fuses into the kernel of the backward op
-    next to it; it computes only what the point records, with fewer reductions than the oracle:
-    the two non-finite flags come from the finite maximum (a finite value overflows under
-    ``factor`` iff the largest one does) and one ``any``.
-
-    Written so that Inductor computes ``out`` in place, over the gradient's own buffer: Inductor
-    does so only when the node writing ``out`` is the last to read that buffer. On CPU, writing a
-    cold buffer instead cost more than the rest of the point (a transformer block's GELU backward
-    kernel took 1.0 ms against 0.34 ms unscaled; in place, 0.5 ms). So either ``out`` reads the
-    flags, which makes the reductions its ancestors (and costs a second, cache-warm pass), or, for
-    a gradient ``leaving`` the graph (a parameter's, unscaled), the statistics are measured on
-    ``out`` itself in one pass. Nothing below a leaving gradient reads it, so it is handed back
-    unguarded, inf and nan kept, as torch.amp leaves them (CUDA's kernel zeroes them either way);
-    ``arrived`` then flags any non-finite value in it (the unscale itself makes one only where
-    grad's dtype cannot hold g·factor: never for the float32 gradient of float16 values).
-    """
-    if grad.device.type == "cuda":
-        import autoscale.kernels.scale_grad  # noqa: F401  (registers autoscale::scale_grad)
-
-        out, fstats, counts = torch.ops.autoscale.scale_grad(grad, factor, carried)
-        return out, Measured(fstats[0], fstats[1], fstats[2], counts[0] > 0, counts[3] > 0, counts[2].float())
-    # (Finiteness as |x| < inf: false for inf and nan alike, and two ops where isfinite traces to
-    # four; it reuses the |x| the maximum needs. Fewer ops per element and per point matter here:
-    # the kernels these fuse into are compute-bound, and every traced op costs compile time.)
-    g = grad.float()
-    scaled = g * factor.float()
-    if leaving:
-        out = scaled.to(grad.dtype)
-        measured, unit_scale = out.float(), factor.float() * carried.float()  # out at unit scale: out / scale
-    else:
-        measured, unit_scale = g, carried.float()
-    magnitude = measured.abs()
-    finite = magnitude < math.inf
-    peak = torch.where(finite, magnitude, 0.0).amax() if g.numel() else torch.zeros((), device=g.device)
-    unit = torch.where(finite, measured, 0.0) / unit_scale
-    arrived = ~finite.all()
-    if leaving:
-        made = torch.zeros((), dtype=torch.bool, device=g.device)
-    else:
-        bound = _overflow_threshold(grad.dtype)
-        made = ~(peak * factor.float() < bound)
-        # Without a flag no value overflows (|g·factor| <= peak·factor < bound) and the test per
-        # element changes nothing; with one, it zeroes what is non-finite, as the reference does.
-        out = torch.where(~(arrived | made) | (scaled.abs() < bound), scaled, 0.0).to(grad.dtype)
-    return out, Measured(
-        amax=peak / unit_scale,
-        total=unit.sum(),
-        squares=(unit * unit).sum(),
-        arrived=arrived,
-        made=made,
-        zeros=(measured == 0).sum(dtype=torch.int32).float(),
-    )
-
-
-@functools.cache
-def _overflow_threshold(dtype: torch.dtype) -> float:
-    """The smallest magnitude that rounds to infinity in ``dtype`` (round to nearest even): its max
-    plus half its last step, 65520 for float16; inf for 32 bits and wider (the comparison runs in
-    float32, where only inf is beyond)."""
-    info = torch.finfo(dtype)
-    if info.bits >= 32:
-        return math.inf
-    step = 2.0 ** math.floor(math.log2(info.max)) * info.eps
-    return float(info.max) + step / 2
-
-
-def _accumulate(stats: torch.Tensor, entries: dict[tuple[int, str], torch.Tensor]) -> None:
-    """Fold each ``entries[row, column]`` into ``stats[row, STAT[column]]``: max for amax, sum otherwise.
-
-    One pointwise update per row, each column picked by a constant index, which Inductor fuses
-    into the point's kernel. How this is written decides the compiled backward's buffers:
-    * with ``torch.stack`` building the row, each scalar became a buffer of its own and an alias
-      in the compiled graph's Python wrapper (861 lines of Python for a 7-layer MLP's backward,
-      against 139 unscaled; 232 now);
-    * as one update of the whole tensor, Inductor deferred every point's fold to one kernel at the
-      end, so every point's scalars lived through the whole backward; small buffers pinned between
-      large ones kept glibc trimming and regrowing the heap (~600 page faults, ~1 ms per step);
-    * per row, each point's fold runs with its kernel and its scalars die there.
-    (An opaque custom op here cost ~80 µs a call.)
-    """
-    column = torch.arange(NUM_STATS, device=stats.device)
-    by_row: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for (row, name), value in entries.items():
-        by_row.setdefault(row, []).append((name, value))
-    for row, values in by_row.items():
-        current = stats[row]
-        added = torch.zeros((), device=stats.device)
-        for name, value in values:
-            if name != "amax":
-                added = torch.where(column == STAT[name], value, added)
-        new = current + added
-        for name, value in values:
-            if name == "amax":
-                new = torch.where(column == STAT[name], torch.maximum(current, value), new)
-        stats[row] = new
-
-
-def _max_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
-    if not rows:
-        return torch.ones((), dtype=scales.dtype, device=scales.device)
-    if len(rows) == 1:  # (the usual case: one select, where an index and a reduction trace to four ops)
-        return scales[rows[0]]
-    return scales[list(rows)].amax()
+    peaks.copy_(record(peaks, [peak], [slot], [MAX]))
 
 
 class _Rescale(torch.autograd.Function):
@@ -280,37 +122,7 @@ class _Rescale(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (scales,) = ctx.saved_tensors
-        out_rows, in_rows, record_rows, unscale, moments = ctx.rows
-        carried = _max_of(scales, in_rows)
-        factor = _max_of(scales, out_rows) / carried
-        out, m = scale_and_measure(grad, factor, carried, leaving=unscale)
-        # One statistics update per point. Rows in ``record_rows`` get the gradient's statistics
-        # (a bias's unscale point records none: its weight's point does). Non-finite values are
-        # blamed on the scale that produced them: those that arrived non-finite were made under
-        # ``in_rows``; those this point made, by ``out_rows`` (``out`` has them zeroed, so the rest
-        # of the backward does not blame every layer below; the step is skipped anyway). So a
-        # gradient leaving through an unscale point is checked, and ``GradScaler.step`` skips it.
-        # (numel as a SymInt, not float(): that would specialize a dynamic batch size to its first value)
-        elements = torch.full((), grad.numel(), dtype=torch.float32, device=grad.device)
-        recorded = {"amax": m.amax, "count": elements}
-        if moments:  # (Σ g and Σ g² only for a rule that reads them)
-            recorded.update(sum=m.total, sumsq=m.squares)
-        if unscale:
-            recorded.update(zeros=m.zeros, numel=elements)
-        # An unscale point's output leaves the graph: whatever is non-finite in it is blamed on the
-        # layer's scale (on CPU it is measured after the unscale; CUDA's kernel reports apart what
-        # the unscale made, which only a float16 parameter's gradient can hold).
-        arrived, made = (m.arrived | m.made).float() if unscale else m.arrived.float(), m.made.float()
-        made_rows = () if unscale else out_rows
-        entries: dict[tuple[int, str], torch.Tensor] = {}
-        for row in sorted(set(record_rows) | set(in_rows) | set(made_rows)):
-            flags = [flag for flag, blamed in ((arrived, row in in_rows), (made, row in made_rows)) if blamed]
-            if flags:
-                entries[row, "nonfinite"] = sum(flags[1:], flags[0])
-            if row in record_rows:
-                entries.update(((row, column), value) for column, value in recorded.items())
-        _accumulate(ctx.stats, entries)
-        return out, *_NO_GRADS
+        return point_backward(grad, scales, ctx.stats, *ctx.rows), *_NO_GRADS
 
 
 _NO_GRADS = (None,) * 7  # for rescale's arguments after x

@@ -43,7 +43,7 @@ import torch
 from autoscale.ops import FP16_MAX, PROMOTED_SEP
 
 __all__ = ["CAST_SUFFIX", "OVERFLOW_REASON", "Diagnosis", "ForwardSites", "NonFiniteForwardError", "Promotion",
-           "Repair", "Site", "SiteKind", "describe", "diagnose"]
+           "Repair", "Site", "SiteKind", "alarm", "describe", "diagnose", "outputs_nonfinite"]
 
 log = logging.getLogger("autoscale")
 
@@ -165,15 +165,15 @@ class ForwardSites:
 
     def alarm(self, peaks: torch.Tensor) -> torch.Tensor:
         """On the device: whether any slot's peak calls for a look on the host (see the class)."""
-        self._follow(peaks.device)
-        return (~(peaks <= self.alarm_low) & ~(peaks > self.alarm_high)).any()
+        self.follow(peaks.device)
+        return alarm(peaks, self.alarm_low, self.alarm_high)
 
     def outputs_nonfinite(self, peaks: torch.Tensor) -> torch.Tensor:
         """On the device: whether a graph output was non-finite (the forward explains the step)."""
-        self._follow(peaks.device)
-        return (~(peaks < math.inf) & self.outputs).any()
+        self.follow(peaks.device)
+        return outputs_nonfinite(peaks, self.outputs)
 
-    def _follow(self, device: torch.device) -> None:
+    def follow(self, device: torch.device) -> None:
         """Keep the per-slot tensors where the peaks are (``model.to(device)`` moves the buffer)."""
         if self.outputs.device != device:
             self.alarm_low, self.alarm_high, self.outputs = (
@@ -250,6 +250,17 @@ class ForwardSites:
     def float32_sites(self) -> list[Site]:
         """The sites computed in float32 because of forward overflow (predicted or learnt)."""
         return [s for s in self.sites if s.kind == "float32" and s.reason.startswith(OVERFLOW_REASON)]
+
+
+def alarm(peaks: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool on the device: whether any peak is above its slot's ``low`` and not above its
+    ``high``, or nan (``ForwardSites`` sets the bounds per slot)."""
+    return (~(peaks <= low) & ~(peaks > high)).any()
+
+
+def outputs_nonfinite(peaks: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool on the device: whether a slot marked in ``outputs`` (a graph output) was non-finite."""
+    return (~(peaks < math.inf) & outputs).any()
 
 
 @dataclass(frozen=True)

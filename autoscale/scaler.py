@@ -12,10 +12,13 @@ Modes (``ScalingConfig.mode``):
 * ``none`` — no scaling and no skipping (like ``torch.amp.GradScaler(enabled=False)``).
 
 A step is skipped — the optimizer is not called, so weights and optimizer state stay bit-identical
-— when any gradient is inf/nan or the compiled backward flagged an overflow. ``step`` costs one
-host sync (as torch.amp's does) unless the optimizer supports torch.amp's fused protocol
-(``_step_supports_amp_scaling``): then ``grad_scale`` and ``found_inf`` are handed to it as tensors
-and nothing syncs.
+— when any gradient is inf/nan or the compiled backward flagged an overflow. ``step`` reads that
+flag on the host once (as torch.amp's does: a plain optimizer's step can only be skipped from the
+host) unless the optimizer supports torch.amp's fused protocol (``_step_supports_amp_scaling``:
+fused Adam, AdamW, SGD, Adagrad): then ``grad_scale`` and ``found_inf`` are handed to it as tensors
+and nothing syncs. ``update`` never syncs: the scales are updated on the device
+(``autoscale.update``), and what the forward's overflow checks saw reaches the host through an
+asynchronous copy (``autoscale.mirror``), read when it has arrived.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -34,9 +38,11 @@ import torch.distributed as dist
 from torch import nn
 
 from autoscale.config import Config, OverflowConfig, ScalingConfig
+from autoscale.mirror import HostMirror
 from autoscale.ops import FP16_MAX, SCALE_RANGE, STAT, headroom
 from autoscale.overflow import NonFiniteForwardError, Promotion
-from autoscale.runtime import LOSS_ROW, ScaleState, install_state, unwrap
+from autoscale.runtime import LOSS_ROW, IdentitySet, ScaleState, install_state, unwrap
+from autoscale.update import CompiledUpdate, UpdateTensors, adaptive_backoff, adaptive_update, dynamic_update
 
 __all__ = ["GradScaler", "LayerReport"]
 
@@ -45,8 +51,9 @@ log = logging.getLogger("autoscale")
 FP16_MIN_SUBNORMAL = 2.0**-24
 _Outputs = TypeVar("_Outputs", torch.Tensor, Iterable[torch.Tensor])
 # GradScaler's tensors that live on the model's device (``GradScaler._follow``)
+_MEASURED = [STAT[c] for c in ("nonfinite", "amax", "count", "numel")]  # a row with any of these was measured
 _OWN_TENSORS = ("_loss_scale", "_growth_tracker", "_hysteresis", "_overflows", "_last_stats", "_found_inf", "_skips",
-                "_last_skipped")
+                "_last_skipped", "_snapshot")
 
 
 class _Stage(Enum):
@@ -103,19 +110,24 @@ class GradScaler:
         self._found_inf = torch.zeros((), device=device)  # 0-dim, as fused optimizers expect
         self._skips = torch.zeros((), device=device)
         self._last_skipped = torch.zeros((), dtype=torch.bool, device=device)
-        self._last_skipped_maybe = False  # whether _last_skipped may hold True (else a clean step writes nothing)
+        # the forward's peaks, whether they call for a look, and the overflow flag: copied to the host
+        # at each update without waiting (``_mirror``), read once the copy has arrived
+        capacity = self._state.forward.capacity if self._state is not None else 0
+        self._snapshot = torch.zeros(capacity + 2, device=device) if self._state is not None else None
+        self._mirror = HostMirror()
+        self._snapshot_steps: deque[int] = deque()  # the step of each snapshot on its way to the host
+        self._update_scales = CompiledUpdate(adaptive_update)
+        self._constants: tuple[float, dict[str, float]] | None = None  # (gradient_max, update constants)
         self._stages: dict[int, _Stage] = {}
         self._steps = 0
         self._telemetry = Path(telemetry) if telemetry is not None else None
         self._group = process_group
         self._agreed = False  # this step's flags are already reduced across ranks
         self._decided: bool | None = None  # this step's overflow flag, when step() synced for it
-        self._alarm = False  # whether this step's forward peaks call for a look (read with ``_decided``)
         # Whether scale() multiplies: adaptive mode's loss scale stays 1 unless update(new_scale) sets one.
         self._multiplies = cfg.mode not in ("none", "adaptive")
         self._streak = 0  # consecutive steps non-finite with nothing left to promote
         self._events: dict[str, Any] = {}  # this step's forward-overflow findings, for telemetry
-        self._pending: tuple[torch.Tensor, Any] | None = None  # (peaks on the host, CUDA event): read next update
 
     # ------------------------------------------------------------------ torch.amp interface
 
@@ -160,7 +172,7 @@ class GradScaler:
         mode) are skipped: that check was fused into the backward, and this would be another pass
         over their memory. Not those of parameters with gradient hooks, which run after the graph
         and may change them (an inf they write would otherwise reach the weights)."""
-        checked = self._state.checked if self._state is not None else {}
+        checked = self._state.checked if self._state is not None else IdentitySet()
         by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -214,7 +226,7 @@ class GradScaler:
         if stage is _Stage.READY:
             self.unscale_(optimizer)
         self._stages[id(optimizer)] = _Stage.STEPPED
-        self._decided, self._alarm = self._flags()  # the one host sync, as in torch.amp
+        self._decided = self._overflow_value().item() > 0  # the one host sync, as in torch.amp
         if self._decided:
             return None
         return optimizer.step(*args, **kwargs)
@@ -227,8 +239,8 @@ class GradScaler:
             if self._steps == 0:
                 self._check_instrumented()
             self._collect()
-            overflow = self._update_adaptive()
-            self._watch_forward(overflow)
+            self._watch_forward(self._update_adaptive())
+            overflow: torch.Tensor | bool = self._last_skipped if self._decided is None else self._decided
         else:
             overflow = self._overflowed()
             self._skips += overflow
@@ -236,14 +248,12 @@ class GradScaler:
                 self._loss_scale.fill_(float(new_scale))
                 self._multiplies = True
             elif self.config.mode == "dynamic":
-                self._update_dynamic(overflow)
+                cfg = self.config
+                dynamic_update(self._loss_scale, self._growth_tracker, self._hysteresis, overflow,
+                               growth=cfg.growth_factor, backoff=cfg.backoff_factor, interval=cfg.growth_interval,
+                               hysteresis_steps=cfg.hysteresis, min_scale=cfg.min_scale)
             self._found_inf.zero_()
-        if isinstance(overflow, torch.Tensor):
             self._last_skipped.copy_(overflow > 0)
-            self._last_skipped_maybe = True
-        elif overflow or self._last_skipped_maybe:  # (the common clean step, known on the host: no op)
-            self._last_skipped.fill_(bool(overflow))
-            self._last_skipped_maybe = bool(overflow)
         self._steps += 1
         if self._telemetry is not None:
             self._write_telemetry(overflow)
@@ -329,7 +339,7 @@ class GradScaler:
                 f"{op}: promoted at step {learnt.step}" if learnt else f"{op}: predicted")
         reports = []
         for row, name in enumerate(self._state.layers):
-            has_stats = not (stats[row, STAT["count"]] == 0 and stats[row, STAT["numel"]] == 0)
+            has_stats = row in self._state.measured_rows or bool(stats[row, _MEASURED].any())
             if row == LOSS_ROW or not (has_stats or promoted.get(name)):
                 continue
             numel = float(stats[row, STAT["numel"]])
@@ -355,20 +365,17 @@ class GradScaler:
                 setattr(self, name, tensor.to(device))
 
     def _overflowed(self) -> torch.Tensor:
-        """A 0-dim tensor, 1.0 when this step saw inf/nan anywhere (on any rank)."""
-        self._collect()
-        flagged = self._found_inf
-        if self._state is not None:
-            flagged = flagged + self._state.stats[:, STAT["nonfinite"]].sum()
-        return (flagged > 0).float()
+        """A 0-dim tensor on the device, 1.0 when this step saw inf/nan anywhere (on any rank), else
+        0.0 (fused optimizers compare ``found_inf`` with 1)."""
+        return (self._overflow_value() > 0).float()
 
-    def _flags(self) -> tuple[bool, bool]:
-        """This step's overflow flag and whether its forward peaks call for a look, in one host sync."""
-        overflow = self._overflowed()
-        if self._state is None or not self._state.forward.sites:
-            return bool(overflow.item()), False
-        flags = torch.stack([overflow > 0, self._state.forward.alarm(self._state.peaks)]).tolist()
-        return bool(flags[0]), bool(flags[1])
+    def _overflow_value(self) -> torch.Tensor:
+        """A 0-dim tensor, positive when this step saw inf/nan anywhere (on any rank): ``found_inf``
+        and the graphs' ``ANY_NONFINITE`` cell."""
+        self._collect()
+        if self._state is None:
+            return self._found_inf
+        return torch.maximum(self._found_inf, self._state.any_nonfinite)
 
     def _world(self) -> int:
         """How many ranks decide together (1 without torch.distributed)."""
@@ -437,82 +444,71 @@ class GradScaler:
             log.info("GradScaler: the model computes in bfloat16, whose exponent range is float32's: no gradient "
                      "scaling is needed, and every scale stays 1 (steps with inf/nan are still skipped)")
 
-    def _update_dynamic(self, overflow: torch.Tensor) -> None:
-        """torch.amp's rule (``_amp_update_scale_``) with hysteresis and a floor, on the device."""
-        cfg = self.config
-        inf = overflow > 0
-        hysteresis_left = self._hysteresis > 1
-        back_off = inf & ~hysteresis_left
-        self._hysteresis.copy_(torch.where(inf & hysteresis_left, self._hysteresis - 1, self._hysteresis))
-        grown = self._growth_tracker + 1
-        grow = ~inf & (grown >= cfg.growth_interval)
-        scale = self._loss_scale
-        new = torch.where(back_off, torch.clamp(scale * cfg.backoff_factor, min=cfg.min_scale),
-                          torch.where(grow, scale * cfg.growth_factor, scale))
-        self._loss_scale.copy_(torch.where(torch.isfinite(new), new, scale))
-        self._growth_tracker.copy_(torch.where(inf | grow, torch.zeros_like(grown), grown))
-        self._hysteresis.copy_(torch.where(grow, torch.full_like(self._hysteresis, cfg.hysteresis), self._hysteresis))
-
-    def _update_adaptive(self) -> torch.Tensor | bool:
-        """``adaptive_update`` on this scaler's state; returns the step's overflow flag. (Eager: on
-        CPU a compiled version measured no faster between training steps, where the small ops'
-        cost is mostly interpreter and cache misses, and Dynamo's guards cost as much.)"""
-        assert self._state is not None and self._last_stats is not None
-        cfg = self.config
+    def _update_adaptive(self) -> torch.Tensor:
+        """``adaptive_update`` on this scaler's state, on the device: one compiled kernel when
+        Inductor compiles the model's graphs, eager ops otherwise. Returns the snapshot it wrote."""
+        assert self._state is not None and self._last_stats is not None and self._snapshot is not None
+        cfg, state, forward = self.config, self._state, self._state.forward
         due = (self._steps + 1) % cfg.update_every == 0
         if due:
             self._sum_stats()
-        bound = self._paper_scales(self._state.stats) if due and cfg.rule == "paper" else None
-        high = SCALE_RANGE[1] if cfg.scale_upper_bound is None else min(SCALE_RANGE[1], cfg.scale_upper_bound)
-        # whether the forward explains an overflow (not asked when step() knows there is none)
-        asked = self._state.forward.sites and self._decided is not False
-        explained = self._state.forward.outputs_nonfinite(self._state.peaks) if asked else None
-        return adaptive_update(self._state.scales, self._state.stats, self._last_stats, self._overflows,
-                               self._skips, self._found_inf, bound, due=due, backoff=cfg.backoff_factor,
-                               repeated_backoff=adaptive_backoff(cfg),
-                               growth=cfg.growth_factor, high=high,
-                               headroom=headroom(cfg.margin, self._state.gradient_max), known=self._decided,
-                               forward_nonfinite=explained)
+        bound = self._paper_scales(state.stats) if due and cfg.rule == "paper" else None
+        constants = self._update_constants()
+        peaks = state.peaks
+        forward.follow(peaks.device)
+        # (without sites nothing reads the snapshot: it goes to a scratch tensor, not to the host)
+        snapshot = self._mirror.destination(len(self._snapshot), peaks.device) if forward.sites else self._snapshot
+        tensors = UpdateTensors(state.scales, state.stats, self._last_stats, self._overflows, self._skips,
+                                self._found_inf, self._last_skipped, peaks, forward.alarm_low,
+                                forward.alarm_high, forward.outputs, snapshot)
+        self._update_scales((*tensors, bound), variant=(due, bound is None, peaks.device, *constants.values()),
+                            compile=state.inductor_graphs > 0 and state.inductor_graphs == state.graphs, due=due,
+                            **constants)
+        return snapshot
+
+    def _update_constants(self) -> dict[str, float]:
+        """``adaptive_update``'s constants, from the config and the graphs' gradient format."""
+        assert self._state is not None
+        gradient_max = self._state.gradient_max
+        if self._constants is None or self._constants[0] != gradient_max:
+            cfg = self.config
+            high = SCALE_RANGE[1] if cfg.scale_upper_bound is None else min(SCALE_RANGE[1], cfg.scale_upper_bound)
+            self._constants = (gradient_max, {
+                "backoff": cfg.backoff_factor, "repeated_backoff": adaptive_backoff(cfg), "growth": cfg.growth_factor,
+                "high": high, "headroom": headroom(cfg.margin, gradient_max)})
+        return self._constants[1]
 
     # ------------------------------------------------------------------ forward overflow
 
-    def _watch_forward(self, overflow: torch.Tensor | bool) -> None:
-        """Read this step's forward peaks when they call for it, act on them, and clear them.
+    def _watch_forward(self, snapshot: torch.Tensor) -> None:
+        """Act on what the forward's overflow checks saw (``_act``), without waiting for the device.
 
-        ``overflow`` is the step's skip flag. The peaks are read only when a peak is in alarm or the
-        step was skipped: ``step`` reads that with its overflow flag, in its one host sync; on CPU
-        (no sync to save) it is read here. With a fused optimizer on CUDA nothing syncs: the peaks
-        are copied to the host without waiting and read at the next update. The skip itself is
-        always decided on the device, from the gradients; only the diagnosis and the repair may
-        come a step later.
+        ``adaptive_update`` wrote ``snapshot``: this step's peaks, whether they call for a look (a float16
+        value near 65504, a cast source in range, nan) and the overflow flag; the snapshot is copied
+        to the host asynchronously (``HostMirror``) and read once it has arrived: at once on a CPU,
+        usually at the next update on CUDA. The skip itself is always decided on the device, from the
+        gradients; only the diagnosis and the repair may come a step later. When ``step()`` already
+        knows the step was skipped (it read the flag for a plain optimizer), it is read now: a
+        skipped step is no steady state, and the repair should not wait for another one.
         """
         assert self._state is not None
-        forward, peaks = self._state.forward, self._state.peaks
-        if not forward.sites:
+        if not self._state.forward.sites:
             return
-        if self._pending is not None and self._pending[1].query():
-            (host, _), self._pending = self._pending, None
-            self._act(host[:-1], skipped=bool(host[-1]), step=self._steps)  # (the last step's, numbered from 1)
-        look: bool | None
-        if self._decided is not None:  # step() read the alarm with the overflow flag, in its one sync
-            look, skipped = self._alarm or self._decided, self._decided
-        elif peaks.device.type == "cpu":
-            skipped = bool(overflow)
-            look = skipped or bool(forward.alarm(peaks))
+        step = self._steps + 1  # (numbered from 1, as the telemetry does)
+        if self._decided and snapshot.device.type != "cpu":
+            self._read_snapshot(snapshot.cpu(), step)
+            return
+        self._mirror.post(snapshot)
+        self._snapshot_steps.append(step)
+        for host in self._mirror.poll():
+            self._read_snapshot(host, self._snapshot_steps.popleft())
+
+    def _read_snapshot(self, host: torch.Tensor, step: int) -> None:
+        alarm, skipped = host[-2:].tolist()
+        if alarm or skipped:
+            self._act(host[:-2], skipped=bool(skipped), step=step)
         else:
-            look = None  # (no sync: read at the next update)
-        if look:
-            self._act(peaks.cpu(), skipped=skipped, step=self._steps + 1)
-        elif look is False:
             self._streak = 0
-        elif self._pending is None:
-            host = torch.empty(len(peaks) + 1, pin_memory=True)
-            host.copy_(torch.cat([peaks, torch.as_tensor(overflow, device=peaks.device).float().view(1)]),
-                       non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (host, event)
-        peaks.zero_()
 
     def _act(self, peaks: torch.Tensor, *, skipped: bool, step: int) -> None:
         """Repair what the peaks show (``ForwardSites.repair``); when a skipped step has something
@@ -570,88 +566,6 @@ class GradScaler:
         assert self._telemetry is not None
         with self._telemetry.open("a") as f:
             f.write(json.dumps(record) + "\n")
-
-
-def adaptive_update(scales: torch.Tensor, stats: torch.Tensor, last_stats: torch.Tensor, overflows: torch.Tensor,
-                    skips: torch.Tensor, found_inf: torch.Tensor, bound: torch.Tensor | None, *, due: bool,
-                    backoff: float, growth: float, high: float, headroom: float, repeated_backoff: float | None = None,
-                    known: bool | None = None, forward_nonfinite: torch.Tensor | None = None
-                    ) -> torch.Tensor | bool:
-    """The adaptive mode's ``update()``, in place on the state tensors; returns the overflow flag.
-
-    A row whose statistics saw inf/nan (``stats`` non-finite column) has its scale multiplied by
-    ``backoff``, or by ``repeated_backoff`` (``adaptive_backoff``) when it overflowed at the
-    previous update too (``last_stats``' non-finite column); when ``due`` (every ``update_every``
-    steps) and the step did not overflow, every other measured row gets the power-of-two scale
-    that puts its largest gradient ``headroom`` high (capped by ``bound``, the paper rule's per-row
-    scales, when given), rising by at most ``growth`` per update and falling at once. The cap
-    matters after a batch of unusually small gradients: followed to the letter, the rule raised
-    every scale by the dip (2^5 seen on the numerics benchmark's stress MLP), and the next
-    ordinary batch overflowed and was skipped.
-    Statistics are cleared when used and for flagged rows; the loss row keeps its scale.
-
-    ``known`` is the overflow flag when the host already has it (``GradScaler.step`` synced for
-    it). False takes the common case's path: no row is flagged and nothing is counted, so it is
-    half the ops, and each small eager op costs ~10 µs on CPU right after a backward (~0.25 ms for
-    the full path there, against torch.amp's one fused op).
-
-    ``forward_nonfinite`` (a 0-dim bool, ``ForwardSites.outputs_nonfinite``) says that the forward
-    made a non-finite graph output this step: then the gradients' inf/nan is the forward's doing, not
-    a scale's, and no row backs off (the step is skipped all the same).
-    """
-    if known is False:
-        if not due:  # (found_inf is 0 and no row is flagged: nothing changes)
-            return False
-        measured, rule = _rule(scales, stats, bound, growth=growth, headroom=headroom)
-        new = torch.where(measured, rule, scales)
-        overflow: torch.Tensor | bool = False
-    else:
-        nonfinite = stats[:, STAT["nonfinite"]]
-        flagged = nonfinite > 0
-        overflow = (found_inf + nonfinite.sum()) > 0  # any flagged row, or found_inf
-        if forward_nonfinite is not None:
-            flagged = flagged & ~forward_nonfinite
-        skips.add_(overflow)
-        overflows.add_(flagged)
-        factor: torch.Tensor | float = backoff
-        if repeated_backoff is not None:  # (last_stats: the previous update's statistics)
-            factor = torch.where(last_stats[:, STAT["nonfinite"]] > 0, repeated_backoff, backoff)
-        new = torch.where(flagged, scales * factor, scales)
-        if due:
-            measured, rule = _rule(scales, stats, bound, growth=growth, headroom=headroom)
-            # (a flagged row means an overflow: none is measured then)
-            new = torch.where(measured & ~overflow, rule, new)
-        else:
-            stats.masked_fill_(flagged[:, None], 0.0)
-        found_inf.zero_()
-    if due:
-        last_stats.copy_(stats)
-        stats.zero_()
-    new[LOSS_ROW] = scales[LOSS_ROW]
-    torch.clamp(new, SCALE_RANGE[0], high, out=scales)
-    return overflow
-
-
-def adaptive_backoff(cfg: ScalingConfig) -> float:
-    """What a layer's scale is multiplied by in adaptive mode when it overflows at two updates in a
-    row (a first overflow backs off by ``backoff_factor``, as a lone spike should cost no more than
-    its skipped step). Under the "headroom" rule a layer's scale puts its largest gradient
-    ``2**margin`` below the format's max, so a second overflow in a row means its gradients grew
-    more than ``2**margin``-fold: halving again would skip ``margin`` steps more before the scale
-    caught up. It backs off by ``2**-margin`` (or by ``backoff_factor``, if that is smaller). Seen
-    on ConvNeXt, whose layer scales start at 1e-6: one Adam step makes them ~1e-3, the gradients
-    inside every block grow 1000-fold, and halving skipped ten steps."""
-    return min(cfg.backoff_factor, 2.0**-cfg.margin) if cfg.rule == "headroom" else cfg.backoff_factor
-
-
-def _rule(scales: torch.Tensor, stats: torch.Tensor, bound: torch.Tensor | None, *, growth: float, headroom: float
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows that have a measurement, and the scale the rule gives each (see ``adaptive_update``)."""
-    amax = stats[:, STAT["amax"]]
-    target = headroom / amax.clamp_min(torch.finfo(torch.float32).tiny)
-    if bound is not None:
-        target = torch.minimum(target, bound).clamp_min(1.0)
-    return amax > 0, torch.minimum(torch.exp2(torch.floor(torch.log2(target))), scales * growth)
 
 
 def _refuse_double_backward(grad: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
-"""Compile time of autoscale's passes against Inductor's, as the graph grows.
+"""Compile time of autoscale's passes against Inductor's, as the graph grows; and end to end.
 
     python -m benchmarks.compile_time [--inductor-max NODES] [--repeats N]   # writes docs/results/compile_time.md
+    python -m benchmarks.compile_time --end-to-end                  # writes docs/results/compile_time_models.md
 
 Graphs: an MLP chain of Linear + GELU layers with an autoscale.GradScaler attached (so every pass
 has work: painting, emulation, the analysis, scale points), sized from ~100 to ~10,000 Dynamo
@@ -17,7 +18,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +38,7 @@ from torch.fx import GraphModule
 import autoscale
 from autoscale.passes import PIPELINE, run_stage
 from autoscale.passes.analyze_underflow import seed_inputs
+from benchmarks import notes_of
 
 
 def chain(layers: int) -> tuple[nn.Module, torch.Tensor]:
@@ -93,11 +100,93 @@ def joint_stage_seconds(layers: int) -> float:
     return sum(r.seconds for r in backend.records[0].passes if r.stage == "joint")
 
 
+END_TO_END = """End to end, cold: the time of a model's first training step (forward, backward, and
+for autoscale the scaler's step and update: compiling everything, from Dynamo to the C++ or
+Triton kernels), each method in a fresh process with an empty Inductor cache (FX graph cache off).
+Methods: "Inductor" is ``torch.compile(model)`` in float32; "autoscale, no scaler" is
+``backend="autoscale"`` without a GradScaler (the precision pass and, on CPU, emulated float16:
+no scale points, no overflow checks); "autoscale" is the default with ``autoscale.GradScaler``
+(also compiling the scaler's update). On CPU the emulation's casts are part of autoscale's graph;
+torch.amp's autocast on CPU would compile no casts but run native float16 GEMMs (~100x slower)."""
+
+E2E_MODELS = ("T5 1+1", "T5 3+3", "MLP (overhead --quick)", "transformer block (overhead --quick)")
+E2E_METHODS = ("Inductor", "autoscale, no scaler", "autoscale")
+
+
+def _e2e_model(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], bool]:
+    """(model, inputs, returns_loss) for an end-to-end case."""
+    torch.manual_seed(0)
+    if name.startswith("T5"):
+        from benchmarks.overflow_models import T5, t5_batch
+
+        return T5(ff_gain=28.0, layers=1 if "1+1" in name else 3), t5_batch(0), True
+    from benchmarks.overhead import MODELS
+
+    model, x, _ = MODELS[name.split(" (")[0]](True)
+    return model, (x,), False
+
+
+def _e2e_child(name: str, method: str) -> dict[str, float]:
+    """One first step of ``name`` with ``method``, timed in this (fresh) process."""
+    model, inputs, returns_loss = _e2e_model(name)
+    scaler: Any = None
+    if method == "Inductor":
+        run = torch.compile(model)
+    else:
+        run = torch.compile(model, backend="autoscale")
+        scaler = autoscale.GradScaler(run) if method == "autoscale" else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    start = time.perf_counter()
+    out = run(*inputs)
+    loss = out if returns_loss else out.float().square().mean()
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    middle = time.perf_counter()
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    end = time.perf_counter()
+    return {"seconds": end - start, "update": end - middle}
+
+
+def end_to_end() -> str:
+    lines = ["| model | " + " | ".join(E2E_METHODS) + " | autoscale / Inductor | autoscale / no scaler | "
+             "first update() |", "|---" * (len(E2E_METHODS) + 4) + "|"]
+    for name in E2E_MODELS:
+        times: dict[str, dict[str, float]] = {}
+        for method in E2E_METHODS:
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+                done = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--child", name, method],
+                                      env=env, capture_output=True, text=True, check=True)
+                times[method] = json.loads(done.stdout.strip().splitlines()[-1])
+            print(name, method, times[method], flush=True)
+        t = {m: times[m]["seconds"] for m in E2E_METHODS}
+        lines.append(f"| {name} | " + " | ".join(f"{t[m]:.1f} s" for m in E2E_METHODS)
+                     + f" | {t['autoscale'] / t['Inductor']:.2f} | {t['autoscale'] / t['autoscale, no scaler']:.2f} "
+                     f"| {times['autoscale']['update']:.1f} s |")
+    return (f"# Compile time, end to end\n\n{END_TO_END}\n\nMachine: {torch.get_num_threads()} threads, torch "
+            f"{torch.__version__}.\n\n" + "\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inductor-max", type=int, default=1000, help="largest graph (nodes) to compile with Inductor")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the passes per size (median reported)")
+    parser.add_argument("--end-to-end", action="store_true", help="models' cold first steps (about 15 minutes)")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_e2e_child(*args.child)))
+        return
+    if args.end_to_end:
+        path = Path(__file__).resolve().parent.parent / "docs" / "results" / "compile_time_models.md"
+        notes = notes_of(path)
+        text = end_to_end()
+        path.write_text(text + ("\n" + notes if notes else ""))
+        print(text)
+        return
     lines = ["| Dynamo nodes | dynamo stage (median) | range | per node | joint stage | Inductor compile "
              "| passes / Inductor |", "|---|---|---|---|---|---|---|"]
     for layers in (25, 75, 250, 750, 2500):

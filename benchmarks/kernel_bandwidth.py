@@ -22,8 +22,8 @@ def main() -> None:
         sys.exit("kernel_bandwidth needs a CUDA GPU")
     import triton.testing
 
+    from autoscale.kernels.reference import scale_grad_reference
     from autoscale.kernels.scale_grad import scale_grad
-    from autoscale.ops import scale_grad_reference
 
     factor, carried = torch.tensor(2.0**4, device="cuda"), torch.tensor(2.0**10, device="cuda")
     lines = ["| elements | fused kernel GB/s | torch reference GB/s | copy GB/s | fused / copy |",

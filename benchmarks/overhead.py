@@ -1,6 +1,7 @@
 """Step-time overhead of per-layer gradient scaling, measured side by side in one process.
 
-    python -m benchmarks.overhead [--quick] [--device cuda]     # writes docs/results/overhead[_cuda].md
+    python -m benchmarks.overhead [--quick] [--runs N] [--device cuda] [-o FILE]
+                                  # writes docs/results/overhead[_quick][_cuda].md
 
 Methods, for each model (interleaved rounds, medians):
   (a) autoscale: torch.compile(backend="autoscale") + autoscale.GradScaler (per-layer scales,
@@ -17,6 +18,14 @@ storage and rounding, float32 GEMM arithmetic): torch.autocast's float16 would r
 GEMMs, about 100x slower on this CPU, and would compare emulation with something else. So on CPU
 (b) is the same autoscale graph with torch.amp.GradScaler, and the ratio a/b isolates what
 per-layer scaling costs over torch.amp's GradScaler on the same mixed-precision graph.
+
+Every step is the torch.amp loop (zero_grad, forward and loss under ``scale``, backward, ``step``,
+``update``) with plain SGD. Each run measures every method in interleaved rounds (every method
+sees the same machine load) and reports the median step; ``--runs`` repeats that, after one
+compile, and the ratios are given per run and as their median. Also reported: the median time of
+each phase of a step (what a difference is made of), and the host's reads of device values in a
+steady-state ``step()`` + ``update()`` (each is a sync on a GPU; ``benchmarks.host_reads``), with
+the timed plain SGD and with fused SGD (torch.amp's ``found_inf`` protocol).
 """
 
 from __future__ import annotations
@@ -37,7 +46,11 @@ import torch.nn.functional as F
 
 import autoscale
 from benchmarks import notes_of
+from benchmarks.host_reads import HostReads
 from benchmarks.numerics.tasks import Block
+
+PHASES = ("forward", "backward", "step", "update")
+A, A_UNWATCHED, B = "(a) autoscale", "(a') autoscale, no forward checks", "(b) compiled fp16 + torch.amp.GradScaler"
 
 
 def mlp(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -103,85 +116,167 @@ class _NoScaler:
         pass
 
 
-def _methods(model: nn.Module, device: str) -> dict[str, tuple[Callable[..., Any], Any, nn.Module]]:
-    """name -> (callable model, scaler, module that owns the parameters)."""
+class _Method:
+    """One way to train the model: the callable, its scaler and its (plain SGD) optimizer."""
+
+    def __init__(self, run: Callable[..., Any], scaler: Any, owner: nn.Module) -> None:
+        self.run, self.owner = run, owner
+        self.scaler = scaler if scaler is not None else autoscale.GradScaler(run)
+        self.opt = torch.optim.SGD(owner.parameters(), lr=1e-3)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, phases: dict[str, list[float]] | None = None,
+             device: str = "cpu") -> None:
+        opt, scaler = self.opt, self.scaler
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = scaler.scale(F.cross_entropy(self.run(x), y))
+        t1 = _synced(device)
+        loss.backward()
+        t2 = _synced(device)
+        scaler.step(opt)
+        t3 = _synced(device)
+        scaler.update()
+        t4 = _synced(device)
+        if phases is not None:
+            for name, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                phases[name].append(seconds)
+
+    def host_reads(self, x: torch.Tensor, y: torch.Tensor, *, fused: bool) -> int:
+        """Host reads in a steady-state step() + update(), with plain or fused SGD (after 2 warm-up steps)."""
+        saved = self.opt
+        self.opt = torch.optim.SGD(self.owner.parameters(), lr=1e-3, fused=fused)
+        try:
+            for _ in range(2):
+                self.step(x, y)
+            opt, scaler = self.opt, self.scaler
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(F.cross_entropy(self.run(x), y)).backward()
+            with HostReads(exempt=scaler if isinstance(scaler, autoscale.GradScaler) else None) as reads:
+                scaler.step(opt)
+                scaler.update()
+            return reads.count
+        finally:
+            self.opt = saved
+
+
+def _synced(device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _methods(model: nn.Module, device: str) -> dict[str, _Method]:
     a, a0, b, c, d = (copy.deepcopy(model).to(device) for _ in range(5))
     baseline = torch.compile(_Autocast(b, device)) if device == "cuda" else torch.compile(b, backend="autoscale")
     unwatched = autoscale.Config(overflow=autoscale.OverflowConfig(watch=False))
     return {
-        "(a) autoscale": (torch.compile(a, backend="autoscale"), None, a),  # scalers made below
-        "(a') autoscale, no forward checks": (torch.compile(a0, backend=autoscale.backend(unwatched)), None, a0),
-        "(b) compiled fp16 + torch.amp.GradScaler": (baseline, torch.amp.GradScaler(device), b),
-        "(c) torch.compile fp32": (torch.compile(c), _NoScaler(), c),
-        "(d) eager fp32": (d, _NoScaler(), d),
+        A: _Method(torch.compile(a, backend="autoscale"), None, a),
+        A_UNWATCHED: _Method(torch.compile(a0, backend=autoscale.backend(unwatched)), None, a0),
+        B: _Method(baseline, torch.amp.GradScaler(device), b),
+        "(c) torch.compile fp32": _Method(torch.compile(c), _NoScaler(), c),
+        "(d) eager fp32": _Method(d, _NoScaler(), d),
     }
 
 
-def _step(run: Callable[..., Any], scaler: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
-    opt.zero_grad(set_to_none=True)
-    scaler.scale(F.cross_entropy(run(x), y)).backward()
-    scaler.step(opt)
-    scaler.update()
+class Result:
+    """One model's measurements: step medians per run, phase medians, host reads."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []  # per run: method -> median step (s)
+        self.phases: dict[str, dict[str, float]] = {}  # method -> phase -> median (s)
+        self.reads: dict[str, tuple[int, int]] = {}  # method -> (plain, fused)
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure(name: str, quick: bool, rounds: int, steps: int, device: str) -> dict[str, float]:
+def measure(name: str, quick: bool, runs: int, rounds: int, steps: int, device: str) -> Result:
     torch.manual_seed(0)
     model, x, y = MODELS[name](quick)
     x, y = x.to(device), y.to(device)
     methods = _methods(model, device)
-    runs: dict[str, tuple[Callable[..., Any], Any, torch.optim.Optimizer]] = {}
-    for label, (run, scaler, owner) in methods.items():
-        scaler = scaler if scaler is not None else autoscale.GradScaler(run)
-        opt = torch.optim.SGD(owner.parameters(), lr=1e-3)
+    for method in methods.values():
         for _ in range(3):  # compile and warm up
-            _step(run, scaler, opt, x, y)
-        runs[label] = (run, scaler, opt)
-    times: dict[str, list[float]] = {label: [] for label in runs}
-    for _ in range(rounds):  # interleaved: every method sees the same machine load
-        for label, (run, scaler, opt) in runs.items():
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                _step(run, scaler, opt, x, y)
-            _sync(device)
-            times[label].append((time.perf_counter() - start) / steps)
-    return {label: statistics.median(t) for label, t in times.items()}
+            method.step(x, y, device=device)
+    result = Result()
+    phases = {label: {p: [] for p in PHASES} for label in methods}
+    for _ in range(runs):
+        times: dict[str, list[float]] = {label: [] for label in methods}
+        for _ in range(rounds):  # interleaved: every method sees the same machine load
+            for label, method in methods.items():
+                start = _synced(device)
+                for _ in range(steps):
+                    method.step(x, y, phases[label], device=device)
+                times[label].append((_synced(device) - start) / steps)
+        result.steps.append({label: statistics.median(t) for label, t in times.items()})
+    result.phases = {label: {p: statistics.median(v) for p, v in ph.items()} for label, ph in phases.items()}
+    for label in (A, A_UNWATCHED, B):
+        method = methods[label]
+        result.reads[label] = (method.host_reads(x, y, fused=False), method.host_reads(x, y, fused=True))
+    return result
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def report(results: dict[str, Result], *, quick: bool, runs: int, rounds: int, steps: int, device: str) -> str:
+    labels = list(next(iter(results.values())).steps[0])
+    ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
+    lines = ["| model | " + " | ".join(labels) + " | a/b | a'/b |", "|---" * (len(labels) + 3) + "|"]
+    by_run: list[list[float]] = [[] for _ in range(runs)]
+    by_run_unwatched: list[list[float]] = [[] for _ in range(runs)]
+    for name, r in results.items():
+        for i, run in enumerate(r.steps):
+            by_run[i].append(run[A] / run[B])
+            by_run_unwatched[i].append(run[A_UNWATCHED] / run[B])
+        median = {label: statistics.median(run[label] for run in r.steps) for label in labels}
+        a_b = statistics.median(run[A] / run[B] for run in r.steps)
+        a0_b = statistics.median(run[A_UNWATCHED] / run[B] for run in r.steps)
+        lines.append(f"| {name} | " + " | ".join(ms(median[k]) for k in labels) + f" | {a_b:.3f} | {a0_b:.3f} |")
+    overall = [_geomean(r) for r in by_run]
+    overall_unwatched = [_geomean(r) for r in by_run_unwatched]
+    per_run = "\n".join(
+        f"| {i + 1} | " + " | ".join(f"{r[A] / r[B]:.3f}" for r in (res.steps[i] for res in results.values()))
+        + f" | {overall[i]:.3f} | {overall_unwatched[i]:.3f} |" for i in range(runs))
+    names = list(results)
+    phase_lines = ["| model | method | " + " | ".join(PHASES) + " | sum |", "|---" * (len(PHASES) + 3) + "|"]
+    for name, r in results.items():
+        for label in (A, A_UNWATCHED, B):
+            ph = r.phases[label]
+            phase_lines.append(f"| {name} | {label.split(' ')[0]} | " + " | ".join(ms(ph[p]) for p in PHASES)
+                               + f" | {ms(sum(ph.values()))} |")
+    read_lines = ["| model | " + " | ".join(f"{label.split(' ')[0]} plain / fused" for label in (A, A_UNWATCHED, B))
+                  + " |", "|---|---|---|---|"]
+    for name, r in results.items():
+        read_lines.append(f"| {name} | " + " | ".join(f"{p} / {f}" for p, f in (r.reads[label] for label in
+                                                                                (A, A_UNWATCHED, B))) + " |")
+    machine = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
+    return (f"# Step-time overhead{' (--quick)' if quick else ''}\n\n{__doc__}\nMachine: {machine}, torch "
+            f"{torch.__version__}, {'--quick' if quick else 'full'} run; {runs} runs of {rounds} interleaved "
+            f"rounds of {steps} steps; step times are the median over runs of each run's median.\n\n"
+            + "\n".join(lines)
+            + f"\n\nGeometric mean over the models, median of the runs: **a/b {statistics.median(overall):.3f}**, "
+            f"a'/b {statistics.median(overall_unwatched):.3f}.\n\nEvery run (a/b per model, then the geometric "
+            "means):\n\n| run | " + " | ".join(names) + " | a/b | a'/b |\n" + "|---" * (len(names) + 3) + "|\n"
+            + per_run + "\n\nMedian time of each phase of a step (forward includes the loss and `scale()`):\n\n"
+            + "\n".join(phase_lines)
+            + "\n\nHost reads of device values in one steady-state `step()` + `update()` (a sync each on a GPU):\n\n"
+            + "\n".join(read_lines) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small models (under 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="small models (2-3 ms steps; about 3 minutes)")
+    parser.add_argument("--runs", type=int, default=3, help="measurement runs after one compile (default 3)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("-o", "--output", type=Path, help="report path (default docs/results/overhead*.md)")
     args = parser.parse_args()
     rounds, steps = 15, 5
-    results = {name: measure(name, args.quick, rounds, steps, args.device) for name in MODELS}
-    labels = list(next(iter(results.values())))
-    lines = ["| model | " + " | ".join(labels) + " | ratio a/b | ratio a'/b |", "|---" * (len(labels) + 3) + "|"]
-    ratios, unwatched = [], []
-    for name, medians in results.items():
-        ratio = medians[labels[0]] / medians[labels[2]]
-        ratios.append(ratio)
-        unwatched.append(medians[labels[1]] / medians[labels[2]])
-        lines.append(f"| {name} | " + " | ".join(f"{medians[k] * 1e3:.2f} ms" for k in labels)
-                     + f" | {ratio:.2f} | {unwatched[-1]:.2f} |")
-    overall = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    overall_unwatched = math.exp(sum(math.log(r) for r in unwatched) / len(unwatched))
-    machine = (torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads")
-    text = (f"# Step-time overhead\n\n{__doc__}\nMachine: {machine}, torch {torch.__version__}, "
-            f"{'--quick' if args.quick else 'full'} run; median step time over {rounds} interleaved rounds of "
-            f"{steps} steps.\n\n" + "\n".join(lines) + f"\n\nGeometric mean of the ratios: a/b {overall:.2f}, "
-            f"a'/b {overall_unwatched:.2f}.\n")
-    name = "overhead.md" if args.device == "cpu" else f"overhead_{args.device}.md"
-    path = Path(__file__).resolve().parent.parent / "docs" / "results" / name
+    results = {name: measure(name, args.quick, args.runs, rounds, steps, args.device) for name in MODELS}
+    text = report(results, quick=args.quick, runs=args.runs, rounds=rounds, steps=steps, device=args.device)
+    suffix = ("_quick" if args.quick else "") + ("" if args.device == "cpu" else f"_{args.device}")
+    path = args.output or Path(__file__).resolve().parent.parent / "docs" / "results" / f"overhead{suffix}.md"
     notes = notes_of(path)
     path.write_text(text + ("\n" + notes if notes else ""))
-    print("\n".join(lines))
-    print(f"overhead ratio (autoscale / inductor+autocast+GradScaler): {overall:.2f}")
+    print(text)
 
 
 if __name__ == "__main__":

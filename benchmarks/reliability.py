@@ -37,7 +37,7 @@ from torch import nn
 
 import autoscale
 from autoscale.ops import SCALE_RANGE
-from autoscale.scaler import adaptive_backoff
+from autoscale.update import adaptive_backoff
 from benchmarks import notes_of
 
 __all__ = ["KINDS", "Report", "run"]

@@ -8,6 +8,7 @@ README.md beside this file.
 from __future__ import annotations
 
 from .analyze_underflow import analyze_underflow
+from .batch_records import batch_records
 from .convert_precision import convert_precision
 from .emulate_compute import emulate_compute
 from .fold_casts import fold_casts
@@ -26,6 +27,7 @@ __all__ = [
     "PassResult",
     "PassSpec",
     "analyze_underflow",
+    "batch_records",
     "Stage",
     "convert_precision",
     "emulate_compute",
@@ -53,5 +55,6 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec(insert_overflow_checks, "dynamo"),  # last: no other pass sees the checks as users of a value
     # AOTAutograd's joint forward+backward ATen graph, before partitioning.
     PassSpec(fold_casts, "joint"),
+    PassSpec(batch_records, "joint"),  # one fold of the rescale points' statistics per graph
 )
 """The pipeline, in order."""

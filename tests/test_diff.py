@@ -89,9 +89,12 @@ def test_text_marks_every_change(tiny: GraphDiff) -> None:
     fwd = tiny.forward
     # forward: one "+" per inserted or changed node, one "-" per removed or changed node
     fwd_plus = fwd.count("inserted") + fwd.count("changed")
-    bwd_groups = len({e.scale_op for e in tiny.backward.entries if e.scale_op})
-    bwd_plus = (sum(1 for e in tiny.backward.entries if e.scale_op is None and e.status in ("inserted", "changed"))
-                + bwd_groups)
+    bwd = tiny.backward.entries
+    bwd_groups = len({e.scale_op for e in bwd if e.scale_op})
+    stats_runs = sum(1 for i, e in enumerate(bwd) if e.kind == "stats" and (i == 0 or bwd[i - 1].kind != "stats"))
+    assert stats_runs == 1  # (the statistics fold: one line)
+    bwd_plus = (sum(1 for e in bwd if e.scale_op is None and e.kind != "stats" and e.status in ("inserted", "changed"))
+                + bwd_groups + stats_runs)
     assert len(plus) == fwd_plus + bwd_plus
     assert len(minus) == sum(s.count("removed") + s.count("changed") for s in (tiny.forward, tiny.backward))
     assert "\x1b[" not in text
@@ -440,7 +443,7 @@ def test_json_validates_against_schema(tiny: GraphDiff) -> None:
         doc = json.loads(json.dumps(doc))  # plain JSON types only
         jsonschema.Draft202012Validator(spec).validate(doc)
     doc = tiny.to_json()
-    assert doc["schema_version"] == 3
+    assert doc["schema_version"] == 4
     assert doc["overflow"] == {"watched": tiny.summary.watched, "float32": []}
     assert doc["summary"]["scale_points"] == tiny.summary.scale_points
     assert doc["forward"]["counts"]["inserted"] == tiny.forward.count("inserted")

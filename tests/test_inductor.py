@@ -43,7 +43,7 @@ def _large_allocations(code: str) -> int:
 def test_rescale_points_write_in_place() -> None:
     """The scaled backward allocates no more gradient-sized buffers than the same graph under
     torch.amp's GradScaler: each point writes its output over the gradient it read (on CPU, a
-    fresh buffer cost more than the point's arithmetic; see ``autoscale.ops.scale_and_measure``)."""
+    fresh buffer cost more than the point's arithmetic; see ``autoscale.measure.scale_and_measure``)."""
     def backward_code(adaptive: bool) -> str:
         torch._dynamo.reset()
         model, (x,), y = mlp_case()

@@ -14,9 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import autoscale.ops
+import autoscale.measure
+from autoscale.kernels.reference import scale_grad_reference
 from autoscale.kernels.scale_grad import BLOCK, scale_grad_triton
-from autoscale.ops import NUM_STATS, STAT, Measured, rescale, scale_and_measure, scale_grad_reference
+from autoscale.measure import NUM_STATS, STAT, Measured, scale_and_measure
+from autoscale.ops import rescale
 
 SPECIAL = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 6.1e-5, 65504.0, -65504.0, 65519.0, 1e-3,
            float("inf"), float("-inf"), float("nan")]
@@ -75,11 +77,15 @@ def test_cpu_path_measures_what_the_reference_counts(size: int, data: st.DataObj
     base = torch.tensor(fill or [0.0], dtype=torch.float32)
     grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
     f, c = torch.tensor(factor), torch.tensor(carried)
-    out, m = scale_and_measure(grad, f, c)
+    out, m = scale_and_measure(grad, f, c, moments=True, zeros=True)
     ref_out, fstats, counts = scale_grad_reference(grad, f, c)
     assert torch.equal(out, ref_out)
+    assert m.total is not None and m.squares is not None and m.zeros is not None and m.made is not None
     assert [m.amax.item(), m.total.item(), m.squares.item()] == fstats.tolist()
     assert (bool(m.arrived), bool(m.made), int(m.zeros)) == (counts[0] > 0, counts[3] > 0, int(counts[2]))
+    lean = scale_and_measure(grad, f, c)[1]  # (what a point records by default: the same, and no more)
+    assert lean.total is None and lean.squares is None and lean.zeros is None
+    assert (lean.amax.item(), lean.arrived.item(), lean.made.item()) == (m.amax.item(), m.arrived.item(), m.made.item())
 
 
 @KERNEL_PROPERTIES
@@ -95,11 +101,12 @@ def test_cpu_path_for_a_leaving_gradient_measures_its_output(size: int, data: st
     base = torch.tensor(fill or [0.0], dtype=torch.float32)
     grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
     f, c = torch.tensor(factor), torch.tensor(carried)
-    out, m = scale_and_measure(grad, f, c, leaving=True)
+    out, m = scale_and_measure(grad, f, c, leaving=True, moments=True, zeros=True)
     torch.testing.assert_close(out, (grad.float() * f).to(dtype), rtol=0, atol=0, equal_nan=True)  # exactly
     _, fstats, counts = scale_grad_reference(out, torch.tensor(1.0), f * c)
+    assert m.total is not None and m.squares is not None and m.zeros is not None
     assert [m.amax.item(), m.total.item(), m.squares.item()] == fstats.tolist()
-    assert (bool(m.arrived), bool(m.made), int(m.zeros)) == (counts[0] > 0, False, int(counts[2]))
+    assert (bool(m.arrived), m.made, int(m.zeros)) == (counts[0] > 0, None, int(counts[2]))
     if dtype == torch.float32:
         _, fstats_in, counts_in = scale_grad_reference(grad, f, c)
         assert m.amax.item() == fstats_in[0].item() and int(m.zeros) == int(counts_in[2])
@@ -163,11 +170,12 @@ def test_rescale_blames_non_finite_values_on_the_scale_that_made_them(monkeypatc
     assert stats[:, nonfinite].tolist() == [0.0, 1.0] and out.tolist() == [0.25, float("inf")]
     # what CUDA's kernel reports apart, an overflow the unscale made (a float16 parameter's gradient
     # whose layer scale fell below 1), is the layer's too, not lost
-    def like_cuda(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False
-                  ) -> tuple[torch.Tensor, Measured]:
+    def like_cuda(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
+                  moments: bool = False, zeros: bool = False) -> tuple[torch.Tensor, Measured]:
         out, fstats, counts = scale_grad_reference(grad, factor, carried)
-        return out, Measured(fstats[0], fstats[1], fstats[2], counts[0] > 0, counts[3] > 0, counts[2].float())
-    monkeypatch.setattr(autoscale.ops, "scale_and_measure", like_cuda)
+        flags = (counts > 0).float()
+        return out, Measured(fstats[0], flags[0], flags[3], fstats[1], fstats[2], counts[2].float())
+    monkeypatch.setattr(autoscale.measure, "scale_and_measure", like_cuda)
     out, stats = _through_rescale(torch.tensor([1.0, 40000.0], dtype=torch.float16), [1.0, 0.5], (0,), (1,),
                                   unscale=True)
     assert stats[:, nonfinite].tolist() == [0.0, 1.0]

@@ -13,12 +13,13 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoscale
 from autoscale import GradScaler, ScalingConfig
 from autoscale.ops import NUM_STATS, SCALE_RANGE, STAT
-from autoscale.scaler import _OWN_TENSORS, adaptive_update
+from autoscale.scaler import _OWN_TENSORS
+from autoscale.update import UpdateTensors, adaptive_update, pow2floor
+from benchmarks.host_reads import HostReads
 from benchmarks.stress_underflow import best_global_scale, run, table
 from tests.helpers import Comparison, assert_matches_fp32, keeps_roundings, step
 from tests.models import conv_case, mlp_case, mobilenet_case
@@ -293,6 +294,18 @@ def test_inf_in_one_layer_skips_the_step_and_backs_off_only_that_layer() -> None
     assert _train_steps(model, scaler, opt, compiled, x, y, 2) == [False, False]  # recovers
 
 
+def _update(scales: torch.Tensor, stats: torch.Tensor, last: torch.Tensor, overflows: torch.Tensor,
+            skips: torch.Tensor, **kw: Any) -> bool:
+    """``adaptive_update`` on these tensors (no forward sites); returns whether the step overflowed."""
+    sites = 4
+    tensors = UpdateTensors(scales, stats, last, overflows, skips, torch.zeros(()), torch.zeros((), dtype=torch.bool),
+                            torch.zeros(sites), torch.full((sites,), math.inf), torch.full((sites,), math.inf),
+                            torch.zeros(sites, dtype=torch.bool), torch.zeros(sites + 2))
+    adaptive_update(*tensors, None, **{"repeated_backoff": 0.5, **kw})
+    assert bool(tensors.last_skipped) == bool(tensors.snapshot[-1])  # (what the host reads, without a sync)
+    return bool(tensors.last_skipped)
+
+
 @pytest.mark.parametrize("due", [True, False])
 def test_adaptive_update_rule(due: bool) -> None:
     """Row by row: a measured row gets 2^floor(log2(headroom/amax)) (rising at most ``growth``-fold
@@ -307,38 +320,35 @@ def test_adaptive_update_rule(due: bool) -> None:
     kw = {"due": due, "backoff": 0.5, "high": 2.0**40, "headroom": 1000.0, "growth": math.inf}
 
     scales, stats, last, overflows, skips = state(nonfinite=0.0)
-    overflow = adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, **kw)
-    assert not overflow and skips.item() == 0
+    assert not _update(scales, stats, last, overflows, skips, **kw) and skips.item() == 0
     assert scales.tolist() == ([1.0, 256.0, 8.0, 1024.0] if due else [1.0, 8.0, 8.0, 8.0])  # 1000/3 -> 256
     assert stats.abs().sum().item() == (0.0 if due else 4.5)  # cleared only when used
 
     scales, stats, last, overflows, skips = state(nonfinite=0.0)
     stats[1, STAT["amax"]] = 500.0  # wants 2: falls at once; row 3 (wants 1024) rises only 2x
-    adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, **{**kw, "growth": 2.0})
+    _update(scales, stats, last, overflows, skips, **{**kw, "growth": 2.0})
     assert scales.tolist() == ([1.0, 2.0, 8.0, 16.0] if due else [1.0, 8.0, 8.0, 8.0])
 
-    # the host's answer (GradScaler.step synced for it) takes a shorter path to the same state
-    after = []
-    for known in (None, False):
-        scales, stats, last, overflows, skips = state(nonfinite=0.0)
-        stats[1, STAT["amax"]] = 500.0
-        assert not adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, known=known,
-                                   **{**kw, "growth": 2.0})
-        after.append([t.tolist() for t in (scales, stats, last, overflows, skips)])
-    assert after[0] == after[1]
-
-    scales, stats, last, overflows, skips = state(nonfinite=2.0)
-    overflow = adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None, **kw)
-    assert overflow and skips.item() == 1 and overflows.tolist() == [0.0, 0.0, 0.0, 1.0]
+    scales, stats, last, overflows, skips = state(nonfinite=1.0)
+    assert _update(scales, stats, last, overflows, skips, **kw)
+    assert skips.item() == 1 and overflows.tolist() == [0.0, 0.0, 0.0, 1.0]
     assert scales.tolist() == [1.0, 8.0, 8.0, 4.0]  # only the flagged row moves
     assert stats[3].abs().sum().item() == 0.0  # the flagged row's statistics are dropped
 
     # a second overflow in a row: the gradients outgrew the headroom, the row backs off 2^-6 at once
     if due:
         stats[3, STAT["nonfinite"]] = 1.0
-        adaptive_update(scales, stats, last, overflows, skips, torch.zeros(()), None,
-                        **{**kw, "repeated_backoff": 2.0**-6})
+        _update(scales, stats, last, overflows, skips, **{**kw, "repeated_backoff": 2.0**-6})
         assert scales.tolist() == [1.0, 8.0, 8.0, 4.0 / 64]
+
+
+def test_pow2floor_is_exact_around_powers_of_two() -> None:
+    """The rule's power of two is exact even where ``log2`` rounds the wrong way (compiled and
+    eager ``log2`` may differ in the last bit): just below, at, and just above each power."""
+    powers = torch.tensor([2.0**k for k in range(-30, 60)])
+    for x, want in ((powers, powers), (torch.nextafter(powers, powers * 2), powers),
+                    (torch.nextafter(powers, powers * 0), powers * 0.5)):
+        assert torch.equal(pow2floor(x), want)
 
 
 def _inject_grads_inf(model: nn.Module) -> None:
@@ -517,18 +527,6 @@ def test_follows_the_model_to_cuda() -> None:
     assert _train_steps(model, scaler, opt, compiled, x.cuda(), y.cuda(), 2) == [False, False]
 
 
-class _CountSyncs(TorchDispatchMode):
-    """Counts reads of a tensor's value by the host (``.item()``, ``bool()``: ``_local_scalar_dense``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.syncs += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("mode", ["dynamic", "adaptive"])
 def test_lr_schedules_stay_in_step_with_skipped_steps(mode: str) -> None:
     """pytorch#67590: an LR schedule must not advance on a skipped step. Two recipes
@@ -554,43 +552,51 @@ def test_lr_schedules_stay_in_step_with_skipped_steps(mode: str) -> None:
             model.inject.fill_(float(i == inject_at))
             opt.zero_grad(set_to_none=True)
             scaler.scale(F.cross_entropy(compiled(x), y)).backward()
-            with _CountSyncs() as counter:
+            with HostReads(exempt=scaler) as counter:
                 scaler.step(opt)
                 scaler.update()
                 if recipe == "device":  # the schedule as a function of a tensor step count: no sync
                     lr.copy_(base * torch.clamp((scaler.applied_steps + 1) / warmup, max=1.0))
-            syncs += counter.syncs
+            syncs += counter.count
             skipped.append(bool(scaler.last_step_skipped))
             if recipe == "host" and not skipped[-1]:
                 scheduler.step()
         assert skipped == [i == inject_at for i in range(7)]
         assert int(scaler.applied_steps) == 6
-        if recipe == "device" and mode == "dynamic":
+        if recipe == "device":
             assert syncs == 0
         runs[recipe] = used
     expected = [base * min(1.0, (n + 1) / warmup) for n in (0, 1, 2, 2, 3, 4, 5)]
     assert runs["host"] == pytest.approx(expected) and runs["device"] == pytest.approx(expected)
 
 
-def test_fused_optimizer_protocol_needs_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["adaptive", "dynamic"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+def test_steady_state_step_reads_the_device_once_or_not_at_all(mode: str, fused: bool) -> None:
+    """Host reads of device values (each a sync on a GPU) in step() + update(), counted on the
+    steady state of a model with forward overflow checks: none with a fused optimizer (torch.amp's
+    found_inf protocol; the scales update on the device and the checks' snapshot reaches the host
+    asynchronously), one with a plain optimizer (the skip decision, as torch.amp's). The step still
+    trains: the weights move."""
     model, (x,), y = mlp_case()
-    scaler = GradScaler(model)
-    compiled = torch.compile(model, backend=autoscale.backend(EAGER))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
-    assert getattr(opt, "_step_supports_amp_scaling", False)
-    _train_steps(model, scaler, opt, compiled, x, y, 1)
-    opt.zero_grad()
-    scaler.scale(F.cross_entropy(compiled(x), y)).backward()
-
-    def no_sync(*args: object) -> None:
-        raise AssertionError("host sync in GradScaler.step")
-
+    config = autoscale.Config(executor="eager", scaling=ScalingConfig(mode=mode))  # type: ignore[arg-type]
+    scaler = GradScaler(model, config)
+    compiled = torch.compile(model, backend=autoscale.backend(config))
+    # (SGD: a plain AdamW reads its own step counters, host tensors, with item())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, fused=fused)
+    assert getattr(opt, "_step_supports_amp_scaling", False) is fused
+    _train_steps(model, scaler, opt, compiled, x, y, 2)
+    assert scaler._state is None or scaler._state.forward.sites  # (the checks' snapshot is exercised)
+    reads = []
     before = [p.detach().clone() for p in model.parameters()]
-    with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "item", no_sync)
-        m.setattr(torch.Tensor, "__bool__", no_sync)
-        scaler.step(opt)
-    scaler.update()
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(F.cross_entropy(compiled(x), y)).backward()
+        with HostReads(exempt=scaler) as counter:
+            scaler.step(opt)
+            scaler.update()
+        reads.append(counter.reads)
+    assert reads == ([[]] * 3 if fused else [["item"]] * 3)
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
@@ -718,3 +724,26 @@ def test_fused_optimizer_skips_an_inf_gradient_in_dynamic_mode() -> None:
     scaler.update()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert scaler.skipped_steps == 1 and scaler.get_scale() == 512.0
+
+
+@pytest.mark.gpu
+def test_steady_state_step_does_not_sync_on_cuda() -> None:
+    """The CUDA check of the count above: with a fused optimizer, step() + update() run under
+    ``torch.cuda.set_sync_debug_mode("error")`` (any sync raises), with the compiled update."""
+    model, (x,), y = mlp_case()
+    model.cuda()
+    scaler = GradScaler(model)
+    compiled = torch.compile(model, backend="autoscale")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    x, y = x.cuda(), y.cuda()
+    _train_steps(model, scaler, opt, compiled, x, y, 3)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(F.cross_entropy(compiled(x), y)).backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -268,6 +268,8 @@ def _forward_entries(g: CapturedGraph, infos: Mapping[Node, ScaleInfo]) -> list[
 def _kind(node: Node, info: ScaleInfo | None) -> Kind:
     if info is not None:
         return info.kind
+    if (node.meta.get(PROVENANCE_KEY) or {}).get("pass") == "batch_records":
+        return "stats"
     if node.op == "placeholder":
         return "input"
     if node.op == "output":

@@ -51,8 +51,8 @@ tr.group-head td.group { font-family: system-ui, sans-serif; }
          color: #fff; font: 600 11px/1.6 system-ui, sans-serif; white-space: nowrap; }
 .unscale .badge, .align .badge { background: #b392f0; }
 td.node.inserted.scale_op { background: #fdf6ff; border-left-color: #c297ff; }
-td.node.inserted.check, .legend .check { background: #f6f8fa; color: #8c959f; border-left-color: #d0d7de;
-                                        font-style: italic; }
+td.node.inserted.check, td.node.inserted.stats, .legend .check {
+  background: #f6f8fa; color: #8c959f; border-left-color: #d0d7de; font-style: italic; }
 table.numbers tr.promoted td.source { font-weight: 600; }
 .legend .inserted { background: var(--ins); } .legend .removed { background: var(--del); }
 .legend .changed { background: var(--chg); }

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION", "render_json", "schema"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the JSON document ``GraphDiff.to_json`` returns; bumped on any incompatible change."""
 
 

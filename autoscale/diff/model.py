@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 Status = Literal["unchanged", "changed", "inserted", "removed"]
-Kind = Literal["input", "output", "op", "emulated", "cast", "scale", "unscale", "align", "scale_op", "check"]
+Kind = Literal["input", "output", "op", "emulated", "cast", "scale", "unscale", "align", "scale_op", "check", "stats"]
 ScaleKind = Literal["scale", "unscale", "align"]
 OverflowSource = Literal["predicted", "promoted", "follows"]
 
@@ -95,7 +95,9 @@ class NodeEntry:
     ``underflow`` is the analysis' predicted float16 underflow rate of the node's gradient at
     scale 1 (forward nodes). ``scale`` is set on forward rescale nodes; ``scale_op`` names the
     forward rescale node a backward node belongs to. Kind "check" is a forward-overflow check
-    (``autoscale.ops.watch``): it computes nothing the model reads, so the renderings mute it.
+    (``autoscale.ops.watch``) and kind "stats" a node of the fold of the rescale points'
+    statistics (``passes/batch_records.py``): they compute nothing the model reads, so the
+    renderings mute them.
     """
 
     graph: int

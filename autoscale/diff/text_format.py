@@ -45,7 +45,13 @@ def render_text(d: GraphDiff, *, color: bool, backward_only: bool, expand: bool)
             entries = [e for e in section.entries if e.graph == graph]
             out.append(paint("@", _hunk_header(section.name, graph, entries)))
             shown: set[str] = set()
-            for e in entries:
+            for i, e in enumerate(entries):
+                if e.kind == "stats" and not expand:  # (the statistics fold: one line)
+                    if i == 0 or entries[i - 1].kind != "stats":
+                        n = next((j for j, f in enumerate(entries[i:]) if f.kind != "stats"), len(entries) - i)
+                        out.append(paint("dim", f"+ [statistics: {n} ATen nodes] the rescale points' "
+                                                "measurements, folded into the scaler's statistics at once"))
+                    continue
                 if e.scale_op is not None and not expand:
                     if e.scale_op not in shown:
                         shown.add(e.scale_op)
@@ -66,7 +72,8 @@ def _text_lines(e: NodeEntry, paint: Callable[[str, str], str]) -> list[str]:
         return [f"  {e.after}"]
     if e.status == "removed":
         return [paint("-", f"- {e.before}{_removed_note(e)}")]
-    style = "scale" if e.kind in ("scale", "unscale", "align") or e.scale_op else "dim" if e.kind == "check" else "+"
+    style = ("scale" if e.kind in ("scale", "unscale", "align") or e.scale_op
+             else "dim" if e.kind in ("check", "stats") else "+")
     plus = paint(style, f"+ {e.after}{_entry_note(e)}")
     return [plus] if e.status == "inserted" else [paint("-", f"- {e.before}"), plus]
 

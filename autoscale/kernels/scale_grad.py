@@ -10,7 +10,7 @@ pass computes
 where *underflowed* counts elements that were non-zero and finite in g and became exactly zero in
 ``out`` (a scale below 1, or a narrower output dtype, pushed them under the smallest subnormal).
 
-``autoscale.ops.scale_grad_reference`` is the pure-torch version and the test oracle. The Triton
+``autoscale.kernels.reference.scale_grad_reference`` is the pure-torch version and the test oracle. The Triton
 kernel must match it exactly for ``out`` and ``counts`` and to float32 rounding for the sums (it
 adds per-block partial sums atomically, in another order). ``autoscale::scale_grad`` (a
 ``torch.library.triton_op``) launches the kernel on CUDA through ``wrap_triton``, so Dynamo,
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from autoscale.ops import COUNTS, scale_grad_reference
+from autoscale.kernels.reference import COUNTS, scale_grad_reference
 
 __all__ = ["BLOCK", "scale_grad", "scale_grad_reference", "scale_grad_triton"]
 

@@ -1,0 +1,235 @@
+"""The scale updates, written as tensor functions that run on the device with no host sync.
+
+``adaptive_update`` is the adaptive mode's whole ``GradScaler.update()``: it decides from the
+device's own flags whether the step overflowed, backs off the layers that overflowed or moves
+every measured layer to the rule's scale, counts the skip, clears the statistics, and snapshots
+the forward's peaks (with whether they call for a look on the host) for an asynchronous copy. It
+never asks the host what happened, so it is the same code whether ``step()`` synced for the
+overflow flag (a plain optimizer) or not (a fused one).
+
+Run eagerly it is ~25 small ops (on this CPU ~0.15 ms right after a backward, each op finding
+cold caches). :class:`CompiledUpdate` compiles it with Inductor into one kernel (a C++ loop on
+CPU, one Triton launch on CUDA) the first time a scaler whose model Inductor compiles updates;
+eagerly otherwise (the eager executor, ``autoscale.convert``), or if compiling fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from autoscale.config import ScalingConfig
+from autoscale.measure import STAT
+from autoscale.ops import SCALE_RANGE
+from autoscale.overflow import alarm, outputs_nonfinite
+
+__all__ = ["CompiledUpdate", "UpdateTensors", "adaptive_backoff", "adaptive_update", "dynamic_update", "pow2floor",
+           "rule_scales"]
+
+log = logging.getLogger("autoscale")
+
+LOSS_ROW = 0
+_NONFINITE, _AMAX = STAT["nonfinite"], STAT["amax"]
+
+
+class UpdateTensors(NamedTuple):
+    """What ``adaptive_update`` reads and writes, all on the model's device.
+
+    ``scales``, ``stats`` (rows x ``STAT``), ``last_stats`` (the statistics the last due update
+    used), ``overflows`` (per row: updates at which it overflowed), ``skips`` (skipped steps),
+    ``found_inf`` (inf/nan the scaler found outside the graphs), ``last_skipped`` (0-dim bool);
+    the forward's ``peaks`` with ``ForwardSites``' per-slot ``alarm_low``/``alarm_high``/``outputs``;
+    and ``snapshot`` (the peaks, then whether they call for a look, then the overflow flag),
+    which the scaler copies to the host without waiting.
+    """
+
+    scales: torch.Tensor
+    stats: torch.Tensor
+    last_stats: torch.Tensor
+    overflows: torch.Tensor
+    skips: torch.Tensor
+    found_inf: torch.Tensor
+    last_skipped: torch.Tensor
+    peaks: torch.Tensor
+    alarm_low: torch.Tensor
+    alarm_high: torch.Tensor
+    outputs: torch.Tensor
+    snapshot: torch.Tensor
+
+
+def adaptive_update(*tensors: torch.Tensor | None, due: bool, backoff: float, repeated_backoff: float,
+                    growth: float, high: float, headroom: float) -> None:
+    """The adaptive mode's update, in place on ``tensors``: the ``UpdateTensors`` fields in order,
+    then ``bound`` (the paper rule's per-row scales, or None). (Flat, for ``CompiledUpdate``.)
+
+    The step overflowed if ``found_inf`` is set or any row's statistics saw inf/nan. Then each
+    flagged row's scale is multiplied by ``backoff``, or by ``repeated_backoff``
+    (``adaptive_backoff``) when it overflowed at the previous due update too, and the
+    others keep theirs; no row backs off when a graph output was non-finite in the forward (the
+    forward explains the step; it is skipped all the same). Otherwise, when ``due`` (every
+    ``update_every`` steps), every measured row gets ``rule_scales``. The loss row keeps its scale.
+    Statistics are cleared when used, and a flagged row's when not due.
+    """
+    t, bound = UpdateTensors(*tensors[:-1]), tensors[-1]  # type: ignore[arg-type]
+    again = t.last_stats[:, _NONFINITE] > 0  # it overflowed at the last due update too
+    if due:
+        # (``+ 0.0``: compiled, a plain copy of ``stats`` is folded into ``stats`` itself, and
+        # torch 2.13's Inductor wrote it back after clearing ``stats``: ``last_stats`` came out zero.
+        # CompiledUpdate checks every compiled variant against this function at its first call.)
+        t.last_stats.copy_(t.stats + 0.0)
+    nonfinite = t.stats[:, _NONFINITE]
+    overflow = torch.maximum(t.found_inf, nonfinite.amax()) > 0
+    peaks = t.peaks
+    forward_nonfinite = outputs_nonfinite(peaks, t.outputs)
+    look = alarm(peaks, t.alarm_low, t.alarm_high)
+    flagged = (nonfinite > 0) & ~forward_nonfinite
+    t.skips.add_(overflow)
+    t.overflows.add_(flagged)
+    scales = t.scales
+    new = torch.where(flagged, scales * torch.where(again, repeated_backoff, backoff), scales)
+    if due:
+        measured, rule = rule_scales(scales, t.stats, bound, growth=growth, headroom=headroom)
+        new = torch.where(measured & ~overflow, rule, new)
+        t.stats.zero_()
+    else:
+        t.stats.masked_fill_(flagged[:, None], 0.0)
+    keep = torch.arange(len(scales), device=scales.device) == LOSS_ROW
+    scales.copy_(torch.where(keep, scales, new.clamp(SCALE_RANGE[0], high)))
+    t.found_inf.zero_()
+    t.last_skipped.copy_(overflow)
+    t.snapshot.copy_(torch.cat([peaks, look.view(1).float(), overflow.view(1).float()]))
+    peaks.zero_()
+
+
+def rule_scales(scales: torch.Tensor, stats: torch.Tensor, bound: torch.Tensor | None, *, growth: float,
+                headroom: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows that have a measurement, and the scale the headroom rule gives each: the power of
+    two that puts the row's largest gradient ``headroom`` high, capped by ``bound`` (the paper
+    rule's per-row scales) when given, rising by at most ``growth`` per update and falling at once.
+    The cap matters after a batch of unusually small gradients: followed to the letter, the rule
+    raised every scale by the dip (2^5 seen on the numerics benchmark's stress MLP), and the next
+    ordinary batch overflowed and was skipped."""
+    amax = stats[:, _AMAX]
+    target = headroom / amax.clamp_min(torch.finfo(torch.float32).tiny)
+    if bound is not None:
+        target = torch.minimum(target, bound).clamp_min(1.0)
+    return amax > 0, torch.minimum(pow2floor(target), scales * growth)
+
+
+def pow2floor(x: torch.Tensor) -> torch.Tensor:
+    """The largest power of two not above ``x`` (positive), exactly: ``2**floor(log2 x)``, corrected
+    by one step where ``log2``'s last-bit error put it on the wrong side (compiled and eager
+    ``log2`` may differ there; powers of two multiply exactly)."""
+    p = torch.exp2(torch.floor(torch.log2(x)))
+    p = torch.where(p > x, p * 0.5, p)
+    return torch.where(p * 2.0 <= x, p * 2.0, p)
+
+
+def adaptive_backoff(cfg: ScalingConfig) -> float:
+    """What a layer's scale is multiplied by in adaptive mode when it overflows at two updates in a
+    row (a first overflow backs off by ``backoff_factor``, as a lone spike should cost no more than
+    its skipped step). Under the "headroom" rule a layer's scale puts its largest gradient
+    ``2**margin`` below the format's max, so a second overflow in a row means its gradients grew
+    more than ``2**margin``-fold: halving again would skip ``margin`` steps more before the scale
+    caught up. It backs off by ``2**-margin`` (or by ``backoff_factor``, if that is smaller). Seen
+    on ConvNeXt, whose layer scales start at 1e-6: one Adam step makes them ~1e-3, the gradients
+    inside every block grow 1000-fold, and halving skipped ten steps."""
+    return min(cfg.backoff_factor, 2.0**-cfg.margin) if cfg.rule == "headroom" else cfg.backoff_factor
+
+
+def dynamic_update(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis: torch.Tensor,
+                   overflow: torch.Tensor, *, growth: float, backoff: float, interval: int, hysteresis_steps: int,
+                   min_scale: float) -> None:
+    """torch.amp's rule (``_amp_update_scale_``) with DeepSpeed's hysteresis and a floor, in place.
+
+    With ``hysteresis_steps == 1`` (the default) it is torch.amp's own fused op and a clamp; with
+    more, an overflow backs off only once ``hysteresis`` overflows were tolerated."""
+    if hysteresis_steps == 1:
+        torch._amp_update_scale_(scale, growth_tracker, overflow, growth, backoff, interval)
+        scale.clamp_(min=min_scale)
+        return
+    inf = overflow > 0
+    hysteresis_left = hysteresis > 1
+    back_off = inf & ~hysteresis_left
+    hysteresis.copy_(torch.where(inf & hysteresis_left, hysteresis - 1, hysteresis))
+    grown = growth_tracker + 1
+    grow = ~inf & (grown >= interval)
+    new = torch.where(back_off, torch.clamp(scale * backoff, min=min_scale), torch.where(grow, scale * growth, scale))
+    scale.copy_(torch.where(torch.isfinite(new), new, scale))
+    growth_tracker.copy_(torch.where(inf | grow, torch.zeros_like(grown), grown))
+    hysteresis.copy_(torch.where(grow, torch.full_like(hysteresis, hysteresis_steps), hysteresis))
+
+
+class CompiledUpdate:
+    """``fn(*tensors, **constants)`` compiled by Inductor into one kernel on first use, or run
+    eagerly when ``compile`` is False or compiling fails.
+
+    ``fn`` updates its tensor arguments in place. It is traced with ``make_fx`` on fake tensors
+    and compiled with Inductor's ``compile_fx``, once per ``variant`` (a key the caller gives for
+    the constants and for what a tensor argument is: None or not, its device), and called
+    directly: through ``torch.compile``, Dynamo's frame evaluation and guards on a dozen tensors
+    cost ~180 µs a call on this CPU, ten times the kernel; called directly, ~15 µs.
+
+    The first call of each variant is checked: ``fn`` runs eagerly on copies of the tensors, and
+    the compiled results must equal it bit for bit (nan where nan), or the eager results are kept
+    and every later call runs eagerly, with a warning. (Seen while writing it: torch 2.13's
+    Inductor copied a tensor as already cleared; ``adaptive_update`` is written around that, and
+    the check stands for other versions and devices.)
+    """
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self._fn = fn
+        self._variants: dict[Any, Callable[..., Any]] = {}
+        self._failed = False
+
+    def __call__(self, tensors: Sequence[torch.Tensor | None], *, variant: Hashable, compile: bool,
+                 **constants: Any) -> None:
+        with torch.no_grad():
+            if compile and not self._failed:
+                present = [t for t in tensors if t is not None]
+                compiled = self._variants.get(variant)
+                if compiled is not None:
+                    compiled(*present)
+                    return
+                try:
+                    self._first_call(tensors, present, variant, constants)
+                    return
+                except Exception as e:  # noqa: BLE001  (a compile failure: the eager function computes the same)
+                    self._fall_back(f"{type(e).__name__}: {e}")
+            self._fn(*tensors, **constants)
+
+    def _first_call(self, tensors: Sequence[torch.Tensor | None], present: list[torch.Tensor], variant: Hashable,
+                    constants: dict[str, Any]) -> None:
+        from torch._inductor.compile_fx import compile_fx  # (Inductor: only when compiling)
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def flat(*traced: torch.Tensor) -> None:
+            self._fn(*_refill(tensors, traced), **constants)
+
+        compiled: Callable[..., Any] = compile_fx(make_fx(flat, tracing_mode="fake")(*present), present)  # type: ignore[assignment]
+        expected = [t.clone() for t in present]
+        self._fn(*_refill(tensors, expected), **constants)
+        compiled(*present)
+        if all(_same(a, b) for a, b in zip(present, expected, strict=True)):
+            self._variants[variant] = compiled
+            return
+        for a, b in zip(present, expected, strict=True):
+            a.copy_(b)
+        self._fall_back("its results differ from the eager function's")
+
+    def _fall_back(self, why: str) -> None:
+        self._failed = True
+        log.warning("the compiled scale update is not used (%s); updating eagerly", why)
+
+
+def _refill(tensors: Sequence[torch.Tensor | None], present: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``tensors`` with its non-None entries replaced by ``present``, in order."""
+    it = iter(present)
+    return [None if t is None else next(it) for t in tensors]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())

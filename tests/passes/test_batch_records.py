@@ -1,0 +1,122 @@
+"""batch_records: a chain of ``record`` ops into one tensor becomes one fold, with the same result.
+
+On graphs made by tracing calls of ``autoscale::record`` as a rescale point's backward makes them
+(functionalized, the tensor written back with ``copy_``), on random cells, values and combine
+modes; and end to end, a compiled model's statistics with and without the pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.func import functionalize
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import autoscale
+from autoscale.measure import MAX, NUM_STATS, STAT, SUM, fold, record
+from autoscale.passes import PIPELINE, PassSpec, batch_records, run_stage
+from tests.models import mlp_case
+
+RECORD = torch.ops.autoscale.record.default
+ROWS = 5
+
+MAXED = {STAT["nonfinite"], STAT["amax"]}
+
+
+def _point(cells_values: list[tuple[int, float]]) -> list[tuple[int, int, float]]:
+    """(cell, mode, value) with each cell's mode its column's, as the points record them; summed
+    values are counts (whole numbers: their sum is exact in any order, as the pass claims)."""
+    return [(c, MAX, v) if c % NUM_STATS in MAXED else (c, SUM, float(round(v))) for c, v in cells_values]
+
+
+points = st.lists(st.lists(st.tuples(st.integers(0, ROWS * NUM_STATS - 1), st.floats(0, 1e6, width=32)),
+                           min_size=1, max_size=6).map(_point), min_size=1, max_size=8)
+
+
+def _traced(recorded: list[list[tuple[int, int, float]]], *, reuse: bool = False) -> GraphModule:
+    """The graph of ``stats.copy_(record(stats, ...))`` per point, functionalized as AOTAutograd
+    does; with ``reuse``, an intermediate value is also read elsewhere (returned)."""
+    def points_backward(stats: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        j, kept = 0, ()
+        for i, point in enumerate(recorded):
+            vals = []
+            for _ in point:
+                vals.append(values[j] * 1.0)  # (a computed 0-dim value, as a point's measurement)
+                j += 1
+            stats.copy_(record(stats, vals, [c for c, _, _ in point], [m for _, m, _ in point]))
+            if reuse and i == 0:
+                kept = (stats.clone(),)
+        return kept
+
+    stats = torch.zeros(ROWS, NUM_STATS)
+    values = torch.zeros(max(1, sum(len(p) for p in recorded)))
+    gm = make_fx(functionalize(points_backward), tracing_mode="fake")(stats, values)
+    return gm
+
+
+def _run(gm: GraphModule, recorded: list[list[tuple[int, int, float]]], start: torch.Tensor) -> torch.Tensor:
+    stats = start.clone()
+    values = torch.tensor([v for point in recorded for _, _, v in point] or [0.0])
+    gm(stats, values)
+    return stats
+
+
+def _batch(gm: GraphModule) -> dict[str, int]:
+    (result,) = run_stage(gm, autoscale.Config(verify=True), "joint", [PassSpec(batch_records, "joint")])
+    return dict(result.counts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(recorded=points, start=st.lists(st.integers(0, 10**6).map(float), min_size=ROWS * NUM_STATS,
+                                       max_size=ROWS * NUM_STATS))
+def test_one_fold_computes_what_the_points_fold_one_by_one(recorded: list[list[tuple[int, int, float]]],
+                                                           start: list[float]) -> None:
+    """Folding all points' values at the end gives the point-by-point result exactly, whatever cells
+    repeat and in whatever order the points record (maxima; counts, summed)."""
+    initial = torch.tensor(start).view(ROWS, NUM_STATS)
+    expected = initial.clone()
+    for point in recorded:
+        expected = fold(expected, [torch.tensor(v) for _, _, v in point], [c for c, _, _ in point],
+                        [m for _, m, _ in point])
+    gm = _traced(recorded)
+    assert _run(gm, recorded, initial).equal(expected)  # (the traced graph itself)
+    counts = _batch(gm)
+    assert counts == {"records": len(recorded), "folds": 1}
+    assert not gm.graph.find_nodes(op="call_function", target=RECORD)
+    assert _run(gm, recorded, initial).equal(expected)
+
+
+def test_chains_it_cannot_batch_are_left_as_they_are() -> None:
+    """A chain whose intermediate value is read elsewhere, and one that combines a cell both ways
+    (where the order matters), keep their ``record`` ops, which compute the same by themselves."""
+    recorded = [[(1, MAX, 2.0)], [(1, MAX, 3.0)]]
+    gm = _traced(recorded, reuse=True)
+    assert _batch(gm) == {"records": 0, "folds": 0}
+    assert len(gm.graph.find_nodes(op="call_function", target=RECORD)) == 2
+    mixed = [[(0, SUM, 1.0)], [(0, MAX, 1.0)]]
+    gm = _traced(mixed)
+    assert _batch(gm) == {"records": 0, "folds": 0}
+    assert _run(gm, mixed, torch.zeros(ROWS, NUM_STATS))[0, 0] == 1.0
+
+
+def test_a_compiled_model_records_the_same_statistics_with_and_without_the_pass() -> None:
+    """End to end (eager executor): one backward's statistics and gradients are identical, and the
+    pass reports one fold per chain: the backward's statistics and the forward's peaks."""
+    results = []
+    for pipeline in (PIPELINE, tuple(p for p in PIPELINE if p.fn is not batch_records)):
+        torch.manual_seed(0)
+        model, (x,), y = mlp_case()
+        scaler = autoscale.GradScaler(model)
+        backend = autoscale.Backend(autoscale.Config(executor="eager", verify=True), pipeline=pipeline)
+        F.cross_entropy(torch.compile(model, backend=backend)(x), y).backward()
+        state = scaler._state
+        assert state is not None
+        joint = [r for record in backend.records for r in record.passes if r.name == "batch_records"]
+        results.append((state.stats.clone(), state.peaks.clone(), [p.grad.clone() for p in model.parameters()],
+                        [r.counts for r in joint]))
+    (stats, peaks, grads, counts), (stats0, peaks0, grads0, counts0) = results
+    assert stats.equal(stats0) and peaks.equal(peaks0) and all(a.equal(b) for a, b in zip(grads, grads0, strict=True))
+    assert counts0 == [] and len(counts) == 1 and counts[0]["folds"] == 2 and counts[0]["records"] > 2
