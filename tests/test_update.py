@@ -1,0 +1,99 @@
+"""The scale update as a device function: compiled (one Inductor kernel) equals eager, bit for bit;
+a compiled variant that disagrees is dropped for the eager function; the rule's power of two is
+exact; the host mirror hands snapshots back in order, without waiting on a CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoscale.measure import NUM_STATS, STAT
+from autoscale.mirror import HostMirror
+from autoscale.update import CompiledUpdate, UpdateTensors, adaptive_update, pow2floor
+
+ROWS, SITES = 6, 5
+CONSTANTS = {"backoff": 0.5, "repeated_backoff": 2.0**-6, "growth": 2.0, "high": 2.0**40, "headroom": 65504 / 64}
+
+
+def _state(amax: list[float], flags: list[bool], last_flags: list[bool], peaks: list[float], found: bool
+           ) -> UpdateTensors:
+    stats = torch.zeros(ROWS, NUM_STATS)
+    stats[:, STAT["amax"]] = torch.tensor(amax)
+    stats[:, STAT["nonfinite"]] = torch.tensor(flags, dtype=torch.float32)
+    stats[:, STAT["numel"]] = 100.0
+    last = torch.zeros(ROWS, NUM_STATS)
+    last[:, STAT["nonfinite"]] = torch.tensor(last_flags, dtype=torch.float32)
+    low = torch.tensor([0.5 * 65504, 0.5 * 65504, math.inf, 0.5 * 65504, math.inf])
+    high = torch.tensor([math.inf, 65504.0, math.inf, math.inf, math.inf])
+    return UpdateTensors(2.0 ** torch.arange(ROWS, dtype=torch.float32), stats, last, torch.zeros(ROWS),
+                         torch.zeros(()), torch.tensor(float(found)), torch.zeros((), dtype=torch.bool),
+                         torch.tensor(peaks), low, high, torch.tensor([False, False, True, False, False]),
+                         torch.zeros(SITES + 2))
+
+
+magnitudes = st.one_of(st.just(0.0), st.floats(2.0**-100, 1e6, width=32))
+peak_values = st.one_of(st.floats(0, 1e5, width=32), st.sampled_from([math.inf, math.nan, 65504.0, 3.4e38]))
+COMPILED = CompiledUpdate(adaptive_update)  # (compiled once, reused: one variant per `due`)
+
+
+@settings(max_examples=40, deadline=None)
+@given(amax=st.lists(magnitudes, min_size=ROWS, max_size=ROWS), flags=st.lists(st.booleans(), min_size=ROWS,
+       max_size=ROWS), last_flags=st.lists(st.booleans(), min_size=ROWS, max_size=ROWS),
+       peaks=st.lists(peak_values, min_size=SITES, max_size=SITES), found=st.booleans(), due=st.booleans())
+def test_compiled_update_equals_the_eager_function(amax: list[float], flags: list[bool], last_flags: list[bool],
+                                                   peaks: list[float], found: bool, due: bool) -> None:
+    eager, compiled = (_state(amax, flags, last_flags, peaks, found) for _ in range(2))
+    CompiledUpdate(adaptive_update)((*eager, None), variant=due, compile=False, due=due, **CONSTANTS)
+    COMPILED((*compiled, None), variant=due, compile=True, due=due, **CONSTANTS)
+    assert not COMPILED._failed
+    for name, a, b in zip(UpdateTensors._fields, compiled, eager, strict=True):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
+
+
+def test_a_compiled_variant_that_disagrees_is_dropped(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """If Inductor compiled the update wrongly (seen once while writing it), the first call's check
+    keeps the eager results, warns, and every later call runs eagerly."""
+    import torch._inductor.compile_fx as compile_fx
+
+    def miscompiled(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        def run(*tensors: torch.Tensor) -> None:
+            tensors[0].add_(1.0)  # scales: wrong
+        return run
+
+    monkeypatch.setattr(compile_fx, "compile_fx", miscompiled)
+    update = CompiledUpdate(adaptive_update)
+    state, reference = (_state([1.0] * ROWS, [False] * ROWS, [False] * ROWS, [0.0] * SITES, False) for _ in range(2))
+    update((*state, None), variant=True, compile=True, due=True, **CONSTANTS)
+    CompiledUpdate(adaptive_update)((*reference, None), variant=True, compile=False, due=True, **CONSTANTS)
+    assert all(torch.equal(a, b) for a, b in zip(state, reference, strict=True))
+    assert update._failed and "not used" in caplog.text
+
+
+def test_pow2floor_is_exact_around_powers_of_two() -> None:
+    """The rule's power of two is exact even where ``log2`` rounds the wrong way (compiled and
+    eager ``log2`` may differ in the last bit): just below, at, and just above each power."""
+    powers = torch.tensor([2.0**k for k in range(-30, 60)])
+    for x, want in ((powers, powers), (torch.nextafter(powers, powers * 2), powers),
+                    (torch.nextafter(powers, powers * 0), powers * 0.5)):
+        assert torch.equal(pow2floor(x), want)
+
+
+def test_host_mirror_hands_copies_back_in_order_and_reuses_its_buffers() -> None:
+    """On a CPU the device writes into a host buffer directly (no copy), and ``poll`` hands each
+    back at once, in order; a buffer read is free again for the next ``destination``."""
+    mirror = HostMirror()
+    device = torch.device("cpu")
+    seen = []
+    for step in range(3):
+        target = mirror.destination(4, device)
+        target.fill_(step)
+        mirror.post(target)
+        seen += [b.tolist() for b in mirror.poll()]
+    assert seen == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
+    (free,) = mirror.buffers()  # (one buffer, reused)
+    assert mirror.destination(4, device) is free
