@@ -50,8 +50,8 @@ log = logging.getLogger("autoscale")
 
 FP16_MIN_SUBNORMAL = 2.0**-24
 _Outputs = TypeVar("_Outputs", torch.Tensor, Iterable[torch.Tensor])
-# GradScaler's tensors that live on the model's device (``GradScaler._follow``)
 _MEASURED = [STAT[c] for c in ("nonfinite", "amax", "count", "numel")]  # a row with any of these was measured
+# GradScaler's tensors that live on the model's device (``GradScaler._follow``)
 _OWN_TENSORS = ("_loss_scale", "_growth_tracker", "_hysteresis", "_overflows", "_last_stats", "_found_inf", "_skips",
                 "_last_skipped", "_snapshot")
 
