@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -27,7 +26,7 @@ from autoscale.inspect import PrecisionReport, precision_report
 from autoscale.ops import rescale, watch
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
-from autoscale.passes.graph_utils import DYNAMO_ROOT, PREFIX_KEY, dtype_name, is_attach, provenance
+from autoscale.passes.graph_utils import DYNAMO_ROOT, PREFIX_KEY, dtype_name, input_path, is_attach, provenance
 from autoscale.passes.insert_overflow_checks import SITES_KEY
 from autoscale.runtime import ScaleState, owner_of, state_of
 
@@ -175,13 +174,12 @@ def reach_state(gm: GraphModule, example_inputs: Sequence[Any]
     for node, x in zip(placeholders, example_inputs, strict=False):
         state = owner_of(x) if isinstance(x, torch.nn.Parameter) and x.requires_grad else None
         name = state.name_of(x) if state is not None else None
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        if state is not None and name is not None and source is not None:
+        path = input_path(node)
+        if state is not None and name is not None and path is not None:
             break
     else:
         return None
     # the path of the scaler's model in this graph: where its parameter ``name`` sits
-    path = _parameter_name(source)
     prefix = path.removesuffix(name).rstrip(".") if path.endswith(name) else ""
     # or the other way round: the graph is one submodule's forward (FSDP2's fully_shard'ed blocks)
     inner = name.removesuffix(path).rstrip(".") if name != path and name.endswith("." + path) else ""
@@ -283,17 +281,8 @@ def _low_precision_parameters(gm: GraphModule, example_inputs: Sequence[Any]) ->
     names = []
     for node, x in zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=False):
         if isinstance(x, torch.nn.Parameter) and x.requires_grad and x.dtype in (torch.float16, torch.bfloat16):
-            source = getattr(node.meta.get("grapharg"), "source", None)
-            names.append(_parameter_name(source) if source is not None else node.name)
+            names.append(input_path(node) or node.name)
     return tuple(names)
-
-
-def _parameter_name(source: Any) -> str:
-    """Dynamo's source of an input, ``L['self']._modules['fc1']._parameters['weight']`` -> ``fc1.weight``."""
-    name = source.name if isinstance(source.name, str) else source.name()  # (a method in older torch)
-    path = re.sub(r"^[LG]\['[^']*'\]", "", name)
-    path = re.sub(r"\._(?:modules|parameters|buffers)\b", "", path)
-    return re.sub(r"\[(?:'([^']*)'|(\d+))\]", lambda m: "." + (m.group(1) or m.group(2)), path).lstrip(".")
 
 
 def _seed_scales(gm: GraphModule, example_inputs: Sequence[Any]) -> None:

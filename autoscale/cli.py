@@ -1,6 +1,7 @@
 """The ``autoscale`` command line: inspect what the passes do to a model, convert it, read telemetry.
 
-    autoscale diff MODULE:FACTORY [--format text|json|html] [-o FILE] [--backward-only]
+    autoscale diff MODULE:FACTORY [--format text|json|html] [-o FILE] [--backward-only] [--summary] [--measure]
+                                  [--telemetry LOG]
     autoscale convert MODULE:FACTORY -o FILE
     autoscale report LOG [-o DIR]
 
@@ -250,7 +251,18 @@ def _size(path: Path) -> str:
 def _cmd_diff(args: argparse.Namespace) -> int:
     from autoscale.diff import diff
 
-    result = _run_pipeline("diff", args.target, lambda model, inputs: diff(model, inputs),
+    if args.telemetry is not None:  # (refused before the model is captured, and named as the log's problem)
+        from autoscale.report import TelemetryError, load_telemetry
+
+        if not args.telemetry.is_file():
+            raise CLIError(f"--telemetry {args.telemetry}: no such file; give the log that "
+                           "GradScaler(model, telemetry=LOG) wrote")
+        try:
+            load_telemetry(args.telemetry)
+        except TelemetryError as e:
+            raise CLIError(f"--telemetry: {e}") from e
+    result = _run_pipeline("diff", args.target,
+                           lambda model, inputs: diff(model, inputs, measure=args.measure, telemetry=args.telemetry),
                            debug=args.debug)
     if args.format == "json":
         text = json.dumps(result.to_json(backward_only=args.backward_only), indent=2)
@@ -259,7 +271,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     else:
         color = args.color == "always" or (
             args.color == "auto" and args.output is None and sys.stdout.isatty() and "NO_COLOR" not in os.environ)
-        text = result.to_text(color=color, backward_only=args.backward_only)
+        text = result.to_text(color=color, backward_only=args.backward_only, summary_only=args.summary)
     _write(text, args.output)
     if args.output is not None:
         print(f"wrote {args.output} ({_size(args.output)}): {result}")
@@ -347,10 +359,13 @@ def _parser() -> argparse.ArgumentParser:
 
     sub = command(
         "diff", "Show what autoscale's passes change in a model's forward and backward graphs.",
-        "Every node before and after the pipeline: inserted casts, float16/float32 decisions and why,\n"
-        "gradient rescale points with their predicted underflow and initial scale (docs/diff.md).\n\n"
+        "First a per-layer map: each layer's float16/float32 decision and why, its gradient scale point\n"
+        "and seeded scale, and the predicted (with --measure, also measured) gradient underflow and\n"
+        "forward maximum. Then every node before and after the pipeline: inserted casts, rescale\n"
+        "points, overflow checks, with the pass that made each and why (docs/diff.md).\n\n"
         + factory_description,
         "  autoscale diff models.py:tiny_mlp                          # coloured on a terminal\n"
+        "  autoscale diff models.py:tiny_mlp --summary --measure      # the per-layer map, measured too\n"
         "  autoscale diff models.py:tiny_mlp --backward-only\n"
         "  autoscale diff mypkg.models:make --format json -o diff.json\n"
         "  autoscale diff models.py:tiny_mlp --format html -o diff.html")
@@ -359,6 +374,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="text (a unified diff, the default), json (pretty-printed) or html (one self-contained page)")
     sub.add_argument("-o", "--output", type=Path, metavar="FILE", help="write to FILE instead of stdout")
     sub.add_argument("--backward-only", action="store_true", help="only the backward graph")
+    sub.add_argument("--summary", action="store_true",
+                     help="text: only the summary and the per-layer map, without the node diff")
+    sub.add_argument("--measure", action="store_true",
+                     help="also run one float32 step on the example inputs and show the measured per-layer "
+                          "numbers beside the predicted ones")
+    sub.add_argument("--telemetry", type=Path, metavar="LOG",
+                     help="a GradScaler telemetry log of a run of this model: add its per-layer scales, "
+                          "weight-gradient zero rates and overflows to the per-layer map")
     sub.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                      help="colour the text diff: auto (the default) colours only a terminal without -o and "
                           "NO_COLOR unset")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
 
+from autoscale.ops import LAYOUT_SEP, PROMOTED_SEP
 from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, op_name, target_name
 
 __all__ = ["Island", "PrecisionReport", "format_graph", "precision_report"]
@@ -82,28 +84,36 @@ def precision_report(gm: GraphModule, *, dtype: str, compute: str) -> PrecisionR
     )
 
 
+_PACKED = (LAYOUT_SEP, PROMOTED_SEP)
 _DTYPE_ABBREV = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64", "int64": "i64",
                  "int32": "i32", "bool": "b8", "uint8": "u8", "int8": "i8"}
 
 
-def format_graph(gm: GraphModule, *, provenance: bool = True) -> str:
+def format_graph(gm: GraphModule, *, provenance: bool = True, names: Mapping[Node, str] | None = None) -> str:
     """The graph as stable, readable text: one line per node with its dtype and shape, the op and
     its arguments, and (optionally) which autoscale pass made or decided it and why.
 
     Made for golden tests and diffs: no memory addresses, no Python code, no line numbers.
+    ``names`` renames nodes wherever they appear (the diff names parameter inputs by their module
+    path, ``h.0.ln_1.weight``, rather than Dynamo's ``l_self_modules_h_modules_0_..._weight_``).
     """
+    shown = names or {}
+
+    def arg(a: object) -> str:
+        return _format_arg(a, shown)
+
     lines = []
     for node in gm.graph.nodes:
         val = node.meta.get("val", node.meta.get("example_value"))
         typ = _format_type(val)
         if node.op == "placeholder":
-            line = f"input {node.name}: {typ}"
+            line = f"input {shown.get(node, node.name)}: {typ}"
         elif node.op == "output":
-            line = f"return {_format_arg(node.args[0])}"
+            line = f"return {arg(node.args[0])}"
         else:
             op = target_name(node) or str(node.target)
-            args = [_format_arg(a) for a in node.args] + [f"{k}={_format_arg(v)}" for k, v in node.kwargs.items()]
-            line = f"{node.name}: {typ} = {op}({', '.join(args)})"
+            args = [arg(a) for a in node.args] + [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
+            line = f"{shown.get(node, node.name)}: {typ} = {op}({', '.join(args)})"
         prov = node.meta.get(PROVENANCE_KEY)
         if provenance and prov:
             tag = "+" if prov.get("created") else prov.get("precision", "")
@@ -122,14 +132,16 @@ def _format_type(val: object) -> str:
     return type(val).__name__ if val is not None else "?"
 
 
-def _format_arg(arg: object) -> str:
+def _format_arg(arg: object, names: Mapping[Node, str]) -> str:
     if isinstance(arg, Node):
-        return arg.name
+        return names.get(arg, arg.name)
     if isinstance(arg, tuple | list):
-        inner = ", ".join(_format_arg(a) for a in arg)
+        inner = ", ".join(_format_arg(a, names) for a in arg)
         return f"({inner}{',' if len(arg) == 1 else ''})" if isinstance(arg, tuple) else f"[{inner}]"
     if isinstance(arg, dict):
-        return "{" + ", ".join(f"{k}: {_format_arg(v)}" for k, v in arg.items()) + "}"
+        return "{" + ", ".join(f"{k}: {_format_arg(v, names)}" for k, v in arg.items()) + "}"
     if isinstance(arg, torch.dtype):
         return dtype_name(arg)
+    if isinstance(arg, str) and (sep := next((c for c in _PACKED if c in arg), None)) is not None:
+        return f"<{len(arg.split(sep))} names>"  # (separator bytes mean nothing to a reader)
     return repr(arg)

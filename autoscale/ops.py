@@ -35,8 +35,8 @@ import torch
 from autoscale.measure import MAX, NUM_STATS, STAT, point_backward, record
 
 __all__ = [
-    "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "NUM_STATS", "PROMOTED_SEP", "SCALE_RANGE", "STAT", "Attached", "attach",
-    "emulated", "gradient_max", "headroom", "rescale", "resolve", "watch",
+    "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "LAYOUT_SEP", "NUM_STATS", "PROMOTED_SEP", "SCALE_RANGE", "STAT", "Attached",
+    "attach", "emulated", "gradient_max", "headroom", "rescale", "resolve", "watch",
 ]
 
 FP16_MAX = 65504.0
@@ -91,6 +91,9 @@ class Attached(NamedTuple):
     promoted: str
 
 
+# The marker ops carry lists of names packed into one string (a custom op's schema has ``str``,
+# not ``str[]``, and Dynamo guards on it): a layout's rows, the promoted forward-overflow sites.
+LAYOUT_SEP = "\x1f"
 PROMOTED_SEP = "\x1e"
 
 

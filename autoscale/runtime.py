@@ -22,14 +22,13 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autoscale.measure import ANY_NONFINITE
-from autoscale.ops import FP16_MAX, NUM_STATS, STAT
+from autoscale.ops import FP16_MAX, LAYOUT_SEP, NUM_STATS, STAT
 from autoscale.overflow import ForwardSites
 
 __all__ = ["LOSS_ROW", "LAYOUT_SEP", "IdentitySet", "ScaleState", "announce_in_forward", "install_state", "owner_of",
            "recoded_forward", "state_of", "unwrap"]
 
 LOSS_ROW = 0
-LAYOUT_SEP = "\x1f"
 _LOSS_NAME = "<loss>"
 _STATE_ATTR = "_autoscale_state"
 _SCALES, _STATS, _PEAKS = "_autoscale_scales", "_autoscale_stats", "_autoscale_peaks"

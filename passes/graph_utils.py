@@ -29,10 +29,12 @@ __all__ = [
     "cast_of",
     "copy_graph_module",
     "source_line",
+    "source_name",
     "sparse_gradient",
     "dtype_name",
     "float_dtype",
     "inplace_position",
+    "input_path",
     "insert_cast",
     "is_attach",
     "is_inplace",
@@ -41,6 +43,7 @@ __all__ = [
     "new_node",
     "node_keys",
     "op_name",
+    "parameter_path",
     "provenance",
     "redirect_uses",
     "requires_grad_map",
@@ -244,6 +247,41 @@ def layer_of(node: Node) -> str:
 def _module_path(dynamo_path: str) -> str:
     path = _WRAPPED.sub("", _ROOT.sub("", dynamo_path))
     return _INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), path).lstrip(".")
+
+
+_CONTAINERS = re.compile(r"\._(?:modules|parameters|buffers)(?=\[)")
+
+
+def source_name(node: Node) -> str:
+    """Dynamo's source of a graph input (``L['self']._modules['fc1']._parameters['weight']``), or ""
+    for a node that is not one, or of a graph Dynamo did not make. Read off ``_dynamo_source``,
+    which outlives the ``grapharg`` meta Dynamo drops once the backend returns."""
+    if node.op != "placeholder":
+        return ""
+    source = getattr(node, "_dynamo_source", None) or getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return ""
+    return source.name if isinstance(source.name, str) else str(source.name())  # (a method in older torch)
+
+
+def input_path(node: Node) -> str | None:
+    """The dotted path (``fc1.weight``) of the parameter or buffer that Dynamo graph input ``node``
+    is, or None for any other input (a forward argument's placeholder name, ``l_x_``, already says
+    what it is). Users know their parameters by these names, not by Dynamo's placeholder names."""
+    name = source_name(node)
+    if "._parameters[" not in name and "._buffers[" not in name:
+        return None
+    return _module_path(_CONTAINERS.sub("", name)) or None
+
+
+def parameter_path(node: Node) -> str | None:
+    """``input_path`` for a module parameter only (None for a buffer), in ``layer_of``'s terms: the
+    module that owns it is everything before the last dot.
+
+    Read off Dynamo's source of the input, not off the node's module stack, which is the module of
+    the parameter's first use: a tied weight (GPT-2's ``lm_head`` reads ``transformer.wte.weight``)
+    belongs to the module that holds it."""
+    return input_path(node) if "._parameters[" in source_name(node) else None
 
 
 def provenance(node: Node, pass_name: str, reason: str, **extra: Any) -> None:

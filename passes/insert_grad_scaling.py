@@ -38,6 +38,7 @@ from .graph_utils import (
     cast_of,
     dtype_name,
     float_dtype,
+    input_path,
     layer_of,
     new_node,
     op_name,
@@ -82,7 +83,7 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     state.requires = requires_grad_map(graph)
     points = scale_points(graph, cfg, state.requires)
     if cfg.scaling.placement == "predicted":
-        points = [p for p in points if p.underflow > cfg.scaling.gamma]
+        points = [p for p in points if p.underflow is None or p.underflow > cfg.scaling.gamma]  # (unknown: placed)
     gm.meta["autoscale_initial_scales"] = _initial_scales(
         points, state, headroom(cfg.scaling.margin, gradient_max(cfg.float8)))
     graph.erase_node(attach)
@@ -99,12 +100,14 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
 @dataclass(frozen=True)
 class ScalePoint:
     """Where a scale point goes, why, and what the analysis predicts for the gradients it governs
-    (at scale 1): the worst underflow rate, and the largest magnitude (None when unknown).
-    ``layer`` is the node whose module gives the point its row (``node`` unless merged)."""
+    (at scale 1): the worst underflow rate, and the largest magnitude (each None when the analysis
+    does not know one of them: an unknown is never stood in for by a number a reader would take
+    for a prediction). ``layer`` is the node whose module gives the point its row (``node`` unless
+    merged)."""
 
     node: Node
     reason: str
-    underflow: float
+    underflow: float | None
     amax: float | None
     layer: Node
 
@@ -161,10 +164,10 @@ def scale_points(graph: Graph, cfg: Config, requires: dict[Node, bool] | None = 
 
 def _point(node: Node, reason: str, governed: list[Node], layer: Node | None = None) -> ScalePoint:
     grads = [n.meta.get(MOMENTS_KEY, {}).get("grad") for n in governed]
-    rates = [n.meta.get("autoscale_underflow", 1.0) for n in governed]
+    rates = [n.meta.get("autoscale_underflow") for n in governed]
     known = [g.amax for g in grads if g is not None]
-    return ScalePoint(node, reason, max(rates), max(known) if len(known) == len(grads) else None,
-                      layer if layer is not None else node)
+    return ScalePoint(node, reason, None if None in rates else max(r for r in rates if r is not None),
+                      max(known) if len(known) == len(grads) else None, layer if layer is not None else node)
 
 
 class _State:
@@ -280,7 +283,7 @@ class _State:
             # in one kernel reading every dW back from memory: +12% step time on the full MLP).
             first_use = min(p.users, key=order.__getitem__)
             point = self._rescale(p, frozenset({LOSS_ROW}), rows, record, after=first_use.prev,
-                                  like=p, reason=f"unscale the gradient of {p.name}", unscale=True)
+                                  like=p, reason=f"unscale the gradient of {input_path(p) or p.name}", unscale=True)
             redirect_uses(p, point)
             unscaled.append(index)
         return unscaled
@@ -291,8 +294,8 @@ class _State:
         ``p`` then receives the loss scale as is; GradScaler checks its gradient for inf/nan."""
         if not all(sparse_gradient(u) for u in p.users):
             raise ValueError(
-                f"{p.name} gets a sparse gradient from one op and a dense one from another; autoscale cannot "
-                "unscale that sum. Use sparse=False in its embedding, or untie the weight.")
+                f"{input_path(p) or p.name} gets a sparse gradient from one op and a dense one from another; "
+                "autoscale cannot unscale that sum. Use sparse=False in its embedding, or untie the weight.")
         for u in list(p.users):
             rows = self.carried.get(u)
             if rows is None or rows == {LOSS_ROW}:

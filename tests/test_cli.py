@@ -193,6 +193,16 @@ def test_report_log_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
                               "not the scaler's telemetry")
 
 
+def test_diff_telemetry_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A missing or foreign --telemetry log is named as such, before the model is captured."""
+    spec = f"{REPO}/{FACTORIES}:single_tensor"
+    missing = run_main(capsys, "diff", spec, "--telemetry", str(tmp_path / "run.jsonl"))
+    assert_one_line_error(missing, "--telemetry", "no such file", "telemetry=LOG")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1, 2]\n")
+    assert_one_line_error(run_main(capsys, "diff", spec, "--telemetry", str(bad)), "--telemetry", "bad.jsonl:1:")
+
+
 def test_errors_end_to_end(tmp_path: Path) -> None:
     """The real entry point: one line on stderr and no traceback (argparse's exit 2: see --bogus)."""
     raised, log = run_cli(["convert", f"{FACTORIES}:raises", "-o", str(tmp_path / "m.autoscale")],
@@ -232,8 +242,11 @@ def test_diff_options_reach_the_renderer(capsys: pytest.CaptureFixture[str], mon
     fake = _FakeDiff()
     seen: list[tuple[Any, ...]] = []
 
+    measured: list[bool] = []
+
     def fake_diff(model: nn.Module, inputs: tuple[Any, ...], **kw: Any) -> _FakeDiff:
         seen.append(inputs)
+        measured.append(kw["measure"])
         return fake
 
     monkeypatch.setattr(diff_module, "diff", fake_diff)
@@ -242,9 +255,13 @@ def test_diff_options_reach_the_renderer(capsys: pytest.CaptureFixture[str], mon
     assert isinstance(seen[-1], tuple) and len(seen[-1]) == 1  # the one tensor, wrapped
     run_main(capsys, "diff", spec, "--color", "always", "--backward-only")
     run_main(capsys, "diff", spec, "--color", "always", "-o", str(tmp_path / "d.txt"))
-    assert [c[1] for c in fake.calls] == [{"color": False, "backward_only": False},  # stdout is not a TTY
-                                          {"color": True, "backward_only": True},
-                                          {"color": True, "backward_only": False}]
+    run_main(capsys, "diff", spec, "--summary", "--measure")
+    off = {"backward_only": False, "summary_only": False}
+    assert [c[1] for c in fake.calls] == [{**off, "color": False},  # stdout is not a TTY
+                                          {**off, "color": True, "backward_only": True},
+                                          {**off, "color": True},
+                                          {**off, "color": False, "summary_only": True}]
+    assert measured == [False, False, False, True]
     r = run_main(capsys, "diff", spec, "--format", "json")
     assert json.loads(r.stdout) == {"a": [1]} and "\n  " in r.stdout  # pretty-printed
     r = run_main(capsys, "diff", spec, "--format", "html", "-o", str(tmp_path / "sub" / "d.html"))

@@ -5,6 +5,7 @@ the HTML page rendered by headless Chromium."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import zlib
 from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,8 +109,8 @@ def test_backward_only(tiny: GraphDiff) -> None:
     assert str(tiny.summary) in text
     doc = tiny.to_json(backward_only=True)
     assert "forward" not in doc and doc["backward"]["entries"]
-    page = tiny.to_html(backward_only=True)
-    assert 'id="backward"' in page and 'id="forward"' not in page
+    sections = {n[0] for g in _payload(tiny.to_html(backward_only=True))["groups"] for n in g["nodes"]}
+    assert sections == {"backward"}
 
 
 def test_expanded_scale_ops_list_every_node(tiny: GraphDiff) -> None:
@@ -343,11 +345,12 @@ def test_forward_overflow_in_text_json_and_html(hot: GraphDiff) -> None:
     assert page.count("overflow", "numbers", "overflow") == 1
     assert (page.count("overflow", "predicted"), page.count("overflow", "follows")) == (2, 1)
     links = [a.get("href") for sec, tag, _, a in page.elements if sec == "overflow" and tag == "a"]
-    assert links == ["#forward-0-linear_1", "#forward-0-gelu", "#forward-0-linear_2"]
+    rows = {r.layer: i for i, r in enumerate(hot.layers)}
+    assert links == [f"#layer-{rows['fc2']}", f"#layer-{rows['']}", f"#layer-{rows['fc3']}"]  # their map rows
     ids = {a.get("id") for _, _, _, a in page.elements}
     assert all(href[1:] in ids for href in links if href)
     section = hot.to_html().split('<section id="overflow"')[1].split("</section>")[0]
-    assert "<td>fc2</td>" in section and "<td>fc3</td>" in section and "<td>(model)</td>" in section
+    assert ">fc2</a></td>" in section and ">fc3</a></td>" in section and ">(model)</a></td>" in section
 
 
 def test_forward_overflow_promoted_by_the_scaler(tiny: GraphDiff) -> None:
@@ -415,6 +418,111 @@ def test_repeated_diffs_do_not_hit_the_recompile_limit() -> None:
         assert diff(model, inputs, config=config).summary.scale_points == 0
 
 
+# ------------------------------------------------------------------------------- the layer map
+
+
+def test_layer_map(tiny: GraphDiff) -> None:
+    rows = {r.layer: r for r in tiny.layers}
+    assert [r.layer for r in tiny.layers] == ["fc1", "", "fc2"]  # in the order they compute
+    points = {i.layer: i for i in tiny.scale_ops if i.kind == "scale"}
+    for name in ("fc1", "fc2"):
+        r = rows[name]
+        assert (r.module, r.precision, r.weights, r.float32_ops, r.reason) == ("Linear", "float16", True, 0, "")
+        assert r.scale_rows == (points[name].row,) and r.scale == points[name].scale
+        assert r.predicted is not None and r.predicted.weight_underflow is not None and r.measured is None
+    top = rows[""]  # the model's own ops: the ReLU in float16, the loss in float32 by the deny list
+    assert (top.precision, top.float16_ops, top.float32_ops) == ("mixed", 1, 1)
+    assert top.reason.startswith("deny list") and not top.weights
+    assert top.scale is None and top.predicted is not None and top.predicted.grad_max == pytest.approx(1.0)
+    worst = max(tiny.layers, key=lambda r: r.predicted.weight_underflow if r.predicted and
+                r.predicted.weight_underflow is not None else -1)
+    s = tiny.summary
+    assert (s.max_underflow_layer, s.underflow_unknown) == (worst.layer, 0)
+    assert f"({worst.layer}, predicted)" in str(s)
+
+
+def test_measured_numbers_are_those_of_a_float32_step() -> None:
+    model, (x, y) = tiny_case()
+    d = diff(model, (x, y), config=NATIVE_ALL, measure=True)
+    rows = {r.layer: r for r in d.layers}
+    assert all(r.measured is not None for r in d.layers)
+    # the same step in eager float32
+    hidden = model.fc1(x)
+    hidden.retain_grad()
+    F.cross_entropy(model.fc2(torch.relu(hidden)), y).backward()
+    fc1 = rows["fc1"].measured
+    assert fc1 is not None and fc1.weight_grad_max is not None and fc1.forward_max is not None
+    expected = max(model.fc1.weight.grad.abs().max(), model.fc1.bias.grad.abs().max())  # type: ignore[union-attr]
+    assert fc1.weight_grad_max == pytest.approx(float(expected), rel=1e-6)
+    # (its values include the input's cast into float16, which the layer's GEMM reads)
+    assert fc1.forward_max == pytest.approx(max(float(x.abs().max()), float(hidden.detach().abs().max())), rel=1e-6)
+    assert fc1.grad_max == pytest.approx(float(hidden.grad.abs().max()), rel=1e-6)  # type: ignore[union-attr]
+    text = d.to_text(summary_only=True)
+    table = text.split("\nper-layer map")[1].splitlines()
+    assert "predicted / measured" in table[0] and all(" / " in line for line in table[2:5])
+
+
+def test_a_runs_telemetry_joins_the_map(tmp_path: Path) -> None:
+    """The layers of a GradScaler's telemetry log, matched by module path: the scales the run ended
+    with (those of ``scaler.layers()``), its zero rates and overflows; in every rendering."""
+    torch._dynamo.reset()
+    model, (x, y) = tiny_case()
+    log = tmp_path / "run.jsonl"
+    scaler = autoscale.GradScaler(model, telemetry=log)
+    compiled = torch.compile(model, backend=autoscale.backend(Config(compute="native")))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(compiled(x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    final = {layer.name: layer.scale for layer in scaler.layers()}
+    torch._dynamo.reset()
+    d = diff(model, (x, y), config=NATIVE_ALL, telemetry=log)
+    rows = {r.layer: r for r in d.layers}
+    for name in ("fc1", "fc2"):
+        run = rows[name].run
+        assert run is not None and run.final_scale == final[name] and run.overflows == 0
+        assert 0 <= run.mean_zero_rate <= 1
+    assert rows[""].run is None  # (no scale row of its own)
+    table = d.to_text(summary_only=True).split("\nper-layer map")[1].splitlines()
+    assert "run scale" in table[1] and "run overflows" in table[1] and table[1].endswith("why float32")
+    jsonschema = pytest.importorskip("jsonschema")
+    doc = json.loads(json.dumps(d.to_json()))
+    jsonschema.Draft202012Validator(schema()).validate(doc)
+    ran = {r["layer"]: r["run"]["final_scale"] for r in doc["layers"] if r["run"]}
+    assert ran == {n: final[n] for n in ("fc1", "fc2")}
+    assert "<th title=" in d.to_html() and ">run scale</th>" in d.to_html()
+    with pytest.raises(ValueError, match="line 1"):  # not a telemetry log: refused, saying where
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text("not json\n")
+        diff(model, (x, y), config=NATIVE_ALL, telemetry=bad)
+
+
+def test_summary_only_text_fits_a_terminal(tiny: GraphDiff) -> None:
+    text = tiny.to_text(summary_only=True)
+    assert text.startswith(f"autoscale diff: {tiny.summary}") and "per-layer map" in text
+    assert "--- forward" not in text and "@@" not in text
+    table = text.split("\nper-layer map")[1].splitlines()
+    assert table[1].split() == ["layer", "module", "precision", "scale", "dW", "flushed", "dY", "flushed", "|dY|",
+                                "max", "fwd", "max", "why", "float32"]
+    assert [line.split()[0] for line in table[2:5]] == ["fc1", "(model)", "fc2"]
+    assert len(text.splitlines()) < 25
+
+
+def test_names_are_module_paths_and_markers_are_not_shown_raw(tiny: GraphDiff) -> None:
+    for rendered in (tiny.to_text(), json.dumps(tiny.to_json()), tiny.to_html()):
+        assert "\x1f" not in rendered and "\\x1f" not in rendered and "\\u001f" not in rendered
+        assert "l_root_modules_" not in rendered and "l_root_buffers_" not in rendered  # Dynamo's names
+        assert "fc1.weight" in rendered
+    fwd = {e.name: e for e in tiny.forward.entries}
+    assert fwd["attach"].before is not None and "<4 names>" in fwd["attach"].before
+    unscale = next(i for i in tiny.scale_ops if i.kind == "unscale")
+    assert unscale.reason.startswith("unscale the gradient of fc")  # (a module path, not a node name)
+    backward = "\n".join(e.after or "" for e in tiny.backward.entries)
+    assert "input _autoscale_scales:" in backward  # AOTAutograd's primals named by what they are
+
+
 def test_no_gradients_no_backward() -> None:
     model, inputs = tiny_case()
     model.requires_grad_(False)
@@ -443,7 +551,7 @@ def test_json_validates_against_schema(tiny: GraphDiff) -> None:
         doc = json.loads(json.dumps(doc))  # plain JSON types only
         jsonschema.Draft202012Validator(spec).validate(doc)
     doc = tiny.to_json()
-    assert doc["schema_version"] == 4
+    assert doc["schema_version"] == 5
     assert doc["overflow"] == {"watched": tiny.summary.watched, "float32": []}
     assert doc["summary"]["scale_points"] == tiny.summary.scale_points
     assert doc["forward"]["counts"]["inserted"] == tiny.forward.count("inserted")
@@ -456,15 +564,40 @@ def test_json_validates_against_schema(tiny: GraphDiff) -> None:
 # ------------------------------------------------------------------------------------ HTML
 
 
+def _payload(page: str) -> dict[str, Any]:
+    """The node data a page carries (its script builds a layer's rows from it)."""
+    tag = '<script type="application/json" id="diff-data">'
+    start = page.index(tag) + len(tag)
+    data: dict[str, Any] = json.loads(page[start:page.index("</script>", start)])
+    return data
+
+
 def test_html_is_self_contained(tiny: GraphDiff) -> None:
     page = tiny.to_html()
     assert page.startswith("<!DOCTYPE html>")
     for remote in ("http://", "https://", "<link", "@import", "url("):
         assert remote not in page
-    assert page.count('class="node inserted scale"') == tiny.summary.scale_points
-    assert page.count('class="node inserted cast"') == tiny.summary.casts + tiny.summary.backward_casts
-    assert page.count('class="node inserted check"') == tiny.summary.watched > 0
     assert 'id="overflow"' not in page  # no section without decisions
+    # every node travels once, in the group of its layer, and every group has a row in the map
+    data = _payload(page)
+    nodes = [n for g in data["groups"] for n in g["nodes"]]
+    assert len(nodes) == len(tiny.forward.entries) + len(tiny.backward.entries)
+    assert [g["layer"] for g in data["groups"]][:len(tiny.layers)] == [r.layer for r in tiny.layers]
+    entries = [(sec.name, e.graph, e.name, e.status, e.kind) for sec in (tiny.forward, tiny.backward)
+               for e in sec.entries]
+    assert Counter(tuple(n[:5]) for n in nodes) == Counter(entries)
+    assert page.count('<tbody class="layer') == len(data["groups"])
+    assert sum(1 for n in nodes if n[0] == "forward" and n[4] == "scale") == tiny.summary.scale_points
+
+
+def test_html_escapes_the_payload(tiny: GraphDiff) -> None:
+    """A line holding "</script>" (a string argument can) cannot end the page's node data early."""
+    first = tiny.forward.entries[0]
+    odd = dataclasses.replace(tiny, forward=dataclasses.replace(
+        tiny.forward, entries=(dataclasses.replace(first, after="x </script><b>y"), *tiny.forward.entries[1:])))
+    page = odd.to_html()
+    assert any(n[6] == "x </script><b>y" for g in _payload(page)["groups"] for n in g["nodes"])
+    assert page.count("</script>") == 2  # the data's and the code's
 
 
 needs_chromium = pytest.mark.skipif(
@@ -509,7 +642,8 @@ def test_html_screenshot(tiny: GraphDiff, tmp_path: Path) -> None:
 
 
 class _Classes(HTMLParser):
-    """Records, per element, its classes and the id of the <section> it is in."""
+    """Records, per element, its classes and the id of the <section> it is in (for a node's cell,
+    the graph section it belongs to: ``data-section``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -523,7 +657,7 @@ class _Classes(HTMLParser):
             self.root = a
         if tag == "section":
             self.section = a.get("id")
-        self.elements.append((self.section, tag, set((a.get("class") or "").split()), a))
+        self.elements.append((a.get("data-section") or self.section, tag, set((a.get("class") or "").split()), a))
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "section":
@@ -533,19 +667,28 @@ class _Classes(HTMLParser):
         return sum(1 for s, _, c, _ in self.elements if s == section and set(classes) <= c)
 
 
+def _dom(page: Path, fragment: str = "") -> _Classes:
+    result = _chromium("--dump-dom", page.as_uri() + fragment)
+    assert result.returncode == 0 and "<section" in result.stdout, result.stderr[-2000:]
+    dom = _Classes()
+    dom.feed(result.stdout)
+    assert dom.root.get("data-js") == "ready"  # the page's script ran without error
+    return dom
+
+
 @needs_chromium
 def test_html_dom(tiny: GraphDiff, tmp_path: Path) -> None:
     page = tmp_path / "diff.html"
     page.write_text(tiny.to_html())
-    result = _chromium("--dump-dom", page.as_uri())
-    assert result.returncode == 0 and "<section" in result.stdout, result.stderr[-2000:]
-    dom = _Classes()
-    dom.feed(result.stdout)
     s = tiny.summary
-    assert dom.root.get("data-js") == "ready"  # the page's script ran without error
-    summary = next(a for _, _, _, a in dom.elements if a.get("id") == "summary")
+    closed = _dom(page)
+    summary = next(a for _, _, _, a in closed.elements if a.get("id") == "summary")
     assert summary["data-scale-points"] == str(s.scale_points)
     assert summary["data-casts"] == str(s.casts)
+    # the map first: one row per layer, the nodes folded away until a layer is opened
+    assert closed.count("layers", "layer-row") == len(tiny.layers) == int(summary["data-layers"] or 0) > 0
+    assert closed.count("forward", "node") == closed.count("backward", "node") == 0
+    dom = _dom(page, "#all")  # every layer opened
     # forward: inserted casts and rescale points carry their highlight classes, as many as the summary says
     assert dom.count("forward", "node", "inserted", "scale") == s.scale_points > 0
     assert dom.count("forward", "node", "inserted", "unscale") == s.unscale_points
@@ -553,11 +696,36 @@ def test_html_dom(tiny: GraphDiff, tmp_path: Path) -> None:
     assert dom.count("forward", "node", "inserted", "check") == s.watched > 0
     assert dom.count("forward", "node", "removed") == tiny.forward.count("removed")
     # backward: one highlighted group per rescale point, its ATen nodes inside
-    assert dom.count("backward", "scale-op", "scale") == s.scale_points
-    assert dom.count("backward", "scale-op", "unscale") == s.unscale_points
+    assert dom.count("layers", "scale-op", "scale") == s.scale_points
+    assert dom.count("layers", "scale-op", "unscale") == s.unscale_points
     assert dom.count("backward", "node", "inserted", "cast") == s.backward_casts > 0
     assert dom.count("backward", "node", "scale_op") == sum(i.backward_nodes for i in tiny.scale_ops)
-    # the numbers are on hover (title) and in the table
-    titled = [a for sec, _, c, a in dom.elements if sec == "forward" and {"node", "scale"} <= c]
-    assert all("predicted underflow" in (a.get("title") or "") for a in titled)
-    assert dom.count("forward", "numbers") == 1
+    # a forward scale point shows its numbers in a badge
+    assert sum(1 for _, tag, c, _ in dom.elements if tag == "span" and "badge" in c) == len(tiny.scale_ops)
+
+
+# ------------------------------------------------------------------------------- a real model's size
+
+
+@needs_chromium
+def test_the_page_of_a_12_layer_gpt2_stays_small_and_opens_fast(tmp_path: Path) -> None:
+    """A GPT-2-size graph (12 blocks of Hugging Face's GPT-2, at a small width: the graph's size is
+    the layers', not the width's): the page stays a few MiB and the browser has it ready, and every
+    layer's node rows built (``#all``), well within 2 s."""
+    transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=12, n_embd=32, n_head=2, vocab_size=128, n_positions=16,
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    d = diff(model, (torch.randint(1, 128, (2, 16)),))
+    assert sum(1 for r in d.layers if r.module == "Conv1D") == 12 * 4
+    page = tmp_path / "gpt2.html"
+    page.write_text(d.to_html())
+    assert page.stat().st_size < 3 * 2**20
+    for fragment in ("", "#all"):
+        dom = _dom(page, fragment)
+        assert int(dom.root.get("data-ready-ms") or 1e9) < 2000
+    assert dom.count("forward", "node") > 1000  # (#all: the rows are there)
+    summary = d.to_text(summary_only=True)
+    assert len(summary.splitlines()) < len(d.layers) + 20 and "transformer.h.11.mlp.c_proj" in summary

@@ -22,7 +22,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from autoscale.config import Config
-from autoscale.diff.capture import CapturedGraph, node_lines
+from autoscale.diff.capture import CapturedGraph, display_names, node_lines
+from autoscale.diff.layers import layer_rows, worst_underflow
 from autoscale.diff.model import (
     DiffSummary,
     FoldedCast,
@@ -44,6 +45,7 @@ from autoscale.overflow import OVERFLOW_REASON
 from autoscale.passes.analyze_underflow import MOMENTS_KEY
 from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, layer_of, op_name, target_name, tensor_val
 from autoscale.passes.predict_overflow import FORWARD_KEY, PROMOTED_REASON
+from autoscale.report import LayerSummary
 
 __all__ = ["assemble"]
 
@@ -245,7 +247,8 @@ def _forward_entries(g: CapturedGraph, infos: Mapping[Node, ScaleInfo]) -> list[
     pairs = _align(before, after, lambda n: n.name, set())
     paired = {b: a for b, a in pairs if b is not None and a is not None}
     back = {a: b for b, a in paired.items()}
-    lines_b, lines_a = node_lines(g.before), node_lines(g.after)
+    names_b, names_a = display_names(g.before, g.paths_before), display_names(g.after, g.paths_after)
+    lines_b, lines_a = node_lines(g.before, names_b), node_lines(g.after, names_a)
     erased_by = {e.name: e.pass_name for e in g.dynamo.erased}
     entries = []
     for b, a in pairs:
@@ -253,16 +256,25 @@ def _forward_entries(g: CapturedGraph, infos: Mapping[Node, ScaleInfo]) -> list[
             assert b is not None
             by = erased_by.get(b.name)
             prov = Provenance(by, layer_of(b), _REASONS_ERASED.get(by, f"erased by {by}")) if by else None
-            entries.append(NodeEntry(g.index, b.name, b.name, "removed", _kind(b, None), _op(b), lines_b[b], None,
-                                     _dtype(b), None, layer_of(b), prov))
+            name = names_b.get(b, b.name)
+            entries.append(NodeEntry(g.index, name, name, "removed", _kind(b, None), _op(b), lines_b[b], None,
+                                     _dtype(b), None, _layer(b, names_b), prov))
             continue
         status: Status = "inserted" if b is None else "unchanged" if _same(b, a, back) else "changed"
         info = infos.get(a)
         entries.append(NodeEntry(
-            g.index, a.name, b.name if b is not None else None, status, _kind(a, info), _op(a),
-            lines_b[b] if b is not None else None, lines_a[a], _dtype(b) if b is not None else None, _dtype(a),
-            layer_of(a), _provenance(a), a.meta.get("autoscale_underflow"), info))
+            g.index, names_a.get(a, a.name), names_b.get(b, b.name) if b is not None else None, status,
+            _kind(a, info), _op(a), lines_b[b] if b is not None else None, lines_a[a],
+            _dtype(b) if b is not None else None, _dtype(a), _layer(a, names_a), _provenance(a),
+            a.meta.get("autoscale_underflow"), info))
     return entries
+
+
+def _layer(node: Node, names: Mapping[Node, str]) -> str:
+    """A node's layer: for a parameter or buffer, the module that holds it (a tied weight's first
+    use may be in another), else the module of the op (``layer_of``)."""
+    path = names.get(node)
+    return path.rpartition(".")[0] if path is not None else layer_of(node)
 
 
 def _kind(node: Node, info: ScaleInfo | None) -> Kind:
@@ -308,15 +320,18 @@ def _backward_entries(g: CapturedGraph, infos: Mapping[Node, ScaleInfo]) -> tupl
     after = list(after_gm.graph.nodes)
     pairs = _align(before, after, key, forced)
     back = {a: b for b, a in pairs if b is not None and a is not None}
-    lines_b = node_lines(before_gm) if before_gm is not None else {}
-    lines_a = node_lines(after_gm)
+    names_b = display_names(before_gm, g.paths_before, primals=True) if before_gm is not None else {}
+    names_a = display_names(after_gm, g.paths_after, primals=True)
+    lines_b = node_lines(before_gm, names_b) if before_gm is not None else {}
+    lines_a = node_lines(after_gm, names_a)
     sizes: dict[str, int] = defaultdict(int)
     entries = []
     for b, a in pairs:
         if a is None:
             assert b is not None
-            entries.append(NodeEntry(g.index, b.name, b.name, "removed", _kind(b, None), _op(b), lines_b[b], None,
-                                     _dtype(b), None, layer_of(b), None))
+            name = names_b.get(b, b.name)
+            entries.append(NodeEntry(g.index, name, name, "removed", _kind(b, None), _op(b), lines_b[b], None,
+                                     _dtype(b), None, _layer(b, names_b), None))
             continue
         src = source(a)
         member = src if src in rescale_names else None
@@ -325,9 +340,9 @@ def _backward_entries(g: CapturedGraph, infos: Mapping[Node, ScaleInfo]) -> tupl
         status: Status = "inserted" if b is None else "unchanged" if _same(b, a, back) else "changed"
         kind: Kind = "scale_op" if member is not None else _kind(a, None)
         entries.append(NodeEntry(
-            g.index, a.name, b.name if b is not None else None, status, kind, _op(a),
-            lines_b[b] if b is not None else None, lines_a[a], _dtype(b) if b is not None else None, _dtype(a),
-            layer_of(a), _provenance(a, src, dynamo_nodes.get(src) if src is not None else None),
+            g.index, names_a.get(a, a.name), names_b.get(b, b.name) if b is not None else None, status, kind,
+            _op(a), lines_b[b] if b is not None else None, lines_a[a], _dtype(b) if b is not None else None,
+            _dtype(a), _layer(a, names_a), _provenance(a, src, dynamo_nodes.get(src) if src is not None else None),
             scale_op=member))
     return entries, dict(sizes)
 
@@ -360,9 +375,10 @@ def _folded(g: CapturedGraph) -> tuple[list[FoldedCast], list[FoldedCast]]:
     return fwd, bwd
 
 
-def assemble(graphs: list[CapturedGraph], cfg: Config) -> GraphDiff:
+def assemble(graphs: list[CapturedGraph], cfg: Config, run: Mapping[str, LayerSummary] | None = None) -> GraphDiff:
     """The diff of every captured graph (one per graph break) as one: entries and folded casts in
-    graph order, the rescale points with the size of their backward, and the summary's totals."""
+    graph order, the rescale points with the size of their backward, the per-layer map (with a
+    telemetry log's ``run`` summary, by layer), and the summary's totals."""
     forward: list[NodeEntry] = []
     backward: list[NodeEntry] = []
     scale_ops: list[ScaleInfo] = []
@@ -370,7 +386,6 @@ def assemble(graphs: list[CapturedGraph], cfg: Config) -> GraphDiff:
     folded_f: list[FoldedCast] = []
     folded_b: list[FoldedCast] = []
     passes: list[PassCount] = []
-    worst: tuple[float, str, str] | None = None
     for g in graphs:
         infos = _scale_infos(g)
         bwd, sizes = _backward_entries(g, infos)
@@ -383,9 +398,8 @@ def assemble(graphs: list[CapturedGraph], cfg: Config) -> GraphDiff:
         folded_f.extend(f)
         folded_b.extend(b)
         passes.extend(PassCount(g.index, r.stage, r.name, r.modified, dict(r.counts)) for r in g.records)
-        for p in g.dynamo.candidates:
-            if worst is None or p.underflow > worst[0]:
-                worst = (p.underflow, p.node.name, layer_of(p.layer))
+    layers = layer_rows(graphs, scale_ops, overflow, run)
+    worst, worst_layer, unknown = worst_underflow(layers)
     reports = [g.report for g in graphs]
     islands = _merge_islands(i for r in reports for i in r.islands)
     summary = DiffSummary(
@@ -400,13 +414,12 @@ def assemble(graphs: list[CapturedGraph], cfg: Config) -> GraphDiff:
         align_points=sum(1 for s in scale_ops if s.kind == "align"),
         watched=sum(1 for e in forward if e.kind == "check"),
         float32_for_overflow=len(overflow),
-        max_underflow=worst[0] if worst else None, max_underflow_node=worst[1] if worst else None,
-        max_underflow_layer=worst[2] if worst else None,
+        max_underflow=worst, max_underflow_layer=worst_layer, underflow_unknown=unknown,
         islands=islands, unknown_ops=tuple(dict.fromkeys(op for r in reports for op in r.unknown_ops)),
         passes=tuple(passes))
     return GraphDiff(GraphSection("forward", tuple(forward), tuple(folded_f), islands),
                      GraphSection("backward", tuple(backward), tuple(folded_b)), summary, tuple(scale_ops),
-                     tuple(overflow))
+                     tuple(overflow), layers)
 
 
 def _with_size(info: ScaleInfo, size: int) -> ScaleInfo:

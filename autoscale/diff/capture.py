@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,31 +24,41 @@ from torch.fx import GraphModule, Node
 from autoscale.backend import reach_state
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport, format_graph, precision_report
+from autoscale.layer_numbers import LayerNumbers, layer_parts, measure_layers, predict_layers
+from autoscale.ops import LAYOUT_SEP
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
-from autoscale.passes.graph_utils import PROVENANCE_KEY, attach_of, cast_of, copy_graph_module, dtype_name
+from autoscale.passes.graph_utils import (
+    PROVENANCE_KEY,
+    attach_of,
+    cast_of,
+    copy_graph_module,
+    dtype_name,
+    input_path,
+)
 from autoscale.passes.insert_grad_scaling import ScalePoint, insert_grad_scaling, scale_points
 from autoscale.runtime import (
     _PEAKS,
     _SCALES,
     _STATE_ATTR,
     _STATS,
-    LAYOUT_SEP,
     ScaleState,
     install_state,
     recoded_forward,
     unwrap,
 )
 
-__all__ = ["CapturedGraph", "capture_graphs", "node_lines"]
+__all__ = ["CapturedGraph", "capture_graphs", "display_names", "input_paths", "node_lines"]
 
 
-def capture_graphs(model: nn.Module, example_inputs: Sequence[Any], cfg: Config) -> list[CapturedGraph]:
+def capture_graphs(model: nn.Module, example_inputs: Sequence[Any], cfg: Config, *,
+                   measure: bool = False) -> list[CapturedGraph]:
     """What the pipeline saw and did for each of ``model``'s graphs (one per graph break), captured
     from a private copy of ``model`` that runs one forward (Dynamo has to execute a frame to
-    capture it)."""
+    capture it). ``measure``: also run each graph once in float32 to measure what the analysis
+    predicts, layer by layer."""
     subject = _private_copy(model, cfg)
-    capture = _Capture(cfg)
+    capture = _Capture(cfg, measure=measure)
     with torch.enable_grad():
         torch.compile(subject, backend=capture)(*example_inputs)
     if not capture.graphs:
@@ -105,11 +116,17 @@ class _Erased:
 class _Observer:
     """Wraps each pass of the pipeline to record, without changing what it does, the nodes it
     erased (a folded cast leaves no trace in the graph afterwards) and, before
-    ``insert_grad_scaling``, the scale point candidates and the state's row layout."""
+    ``insert_grad_scaling`` (right after the analysis, on the graph it annotated), the scale point
+    candidates, the state's row layout and the per-layer predictions; with ``inputs``, also the
+    per-layer numbers one float32 step of that graph measures."""
 
+    inputs: Sequence[Any] | None = None
     erased: list[_Erased] = field(default_factory=list)
     candidates: list[ScalePoint] = field(default_factory=list)
     layers: list[str] = field(default_factory=list)
+    predicted: dict[str, LayerNumbers] = field(default_factory=dict)
+    measured: dict[str, LayerNumbers] | None = None
+    weighted: frozenset[str] = frozenset()
 
     def pipeline(self, pipeline: Sequence[PassSpec]) -> tuple[PassSpec, ...]:
         return tuple(PassSpec(self._observed(spec.fn), spec.stage) for spec in pipeline)
@@ -117,7 +134,7 @@ class _Observer:
     def _observed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)  # keeps the name: PassRecord.name stays the pass's
         def observed(gm: GraphModule, cfg: Config) -> Any:
-            lines = node_lines(gm)
+            lines = node_lines(gm, display_names(gm, input_paths(gm)))
             casts = {n for n in lines if cast_of(n) is not None}  # (an erased node has lost its args)
             if fn is insert_grad_scaling:
                 self._before_scaling(gm, cfg)
@@ -141,6 +158,10 @@ class _Observer:
         if found is not None:
             self.layers = found[1].layout.split(LAYOUT_SEP)
         self.candidates = scale_points(gm.graph, cfg)
+        self.predicted = predict_layers(gm)
+        self.weighted = frozenset(layer for layer, parts in layer_parts(gm).items() if parts.weights)
+        if self.inputs is not None:
+            self.measured = measure_layers(gm, self.inputs)
 
 
 @dataclass
@@ -165,14 +186,17 @@ class CapturedGraph:
     joint: _Observer
     autograd_before: _Autograd | None
     autograd_after: _Autograd | None
+    paths_before: tuple[str | None, ...] = ()
+    paths_after: tuple[str | None, ...] = ()
 
 
 class _Capture:
     """A Dynamo backend that runs the pipeline on each graph it is handed and keeps what it saw.
     It returns the unrewritten graph to run: the capture's forward computes what eager would."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, measure: bool) -> None:
         self.cfg = cfg
+        self.measure = measure
         self.graphs: list[CapturedGraph] = []
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -184,7 +208,7 @@ class _Capture:
         seed_inputs(gm, example_inputs)
         if cfg.scaling.calibrate:
             calibrate(gm, example_inputs)
-        dynamo = _Observer()
+        dynamo = _Observer(inputs=example_inputs if self.measure else None)
         records = run_stage(gm, cfg, "dynamo", dynamo.pipeline(PIPELINE))
         report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
         joint = _Observer()
@@ -198,7 +222,7 @@ class _Capture:
         autograd_before = _autograd(copy_graph_module(before), before_inputs, None)
         autograd_after = _autograd(gm, example_inputs, joint_stage)
         self.graphs.append(CapturedGraph(len(self.graphs), before, gm, records, report, dynamo, joint,
-                                         autograd_before, autograd_after))
+                                         autograd_before, autograd_after, input_paths(before), input_paths(gm)))
         return before.forward
 
 
@@ -227,6 +251,32 @@ def _autograd(gm: GraphModule, example_inputs: Sequence[Any],
     return got[0] if got else None
 
 
-def node_lines(gm: GraphModule, *, provenance: bool = True) -> dict[Node, str]:
-    """Each node's line of ``format_graph`` (one line per node; reprs escape newlines)."""
-    return dict(zip(gm.graph.nodes, format_graph(gm, provenance=provenance).split("\n"), strict=False))
+def input_paths(gm: GraphModule) -> tuple[str | None, ...]:
+    """The module path of each of a Dynamo graph's inputs that is a parameter or buffer
+    (``input_path``), in order. Read when the backend is handed the graph: Dynamo drops the
+    placeholders' sources once the backend returns."""
+    return tuple(input_path(n) for n in gm.graph.find_nodes(op="placeholder"))
+
+
+_PRIMALS = re.compile(r"primals_(\d+)")
+
+
+def display_names(gm: GraphModule, paths: Sequence[str | None], *, primals: bool = False) -> dict[Node, str]:
+    """The inputs of ``gm`` that are parameters or buffers, by module path (``h.0.ln_1.weight``):
+    ``paths`` of ``gm``'s inputs in order, or with ``primals``, of the Dynamo graph an AOTAutograd
+    graph traced (its ``primals_<i>`` are that graph's inputs in order)."""
+    names: dict[Node, str] = {}
+    for i, n in enumerate(gm.graph.find_nodes(op="placeholder")):
+        if primals:
+            i = int(m[1]) - 1 if (m := _PRIMALS.fullmatch(n.name)) else -1
+        if 0 <= i < len(paths) and (path := paths[i]) is not None:
+            names[n] = path
+    return names
+
+
+def node_lines(gm: GraphModule, names: Mapping[Node, str] | None = None, *,
+               provenance: bool = True) -> dict[Node, str]:
+    """Each node's line of ``format_graph`` (one line per node; reprs escape newlines), nodes
+    named as ``names`` says (``display_names``)."""
+    text = format_graph(gm, provenance=provenance, names=names)
+    return dict(zip(gm.graph.nodes, text.split("\n"), strict=False))

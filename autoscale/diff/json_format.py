@@ -8,16 +8,26 @@ tools can read a diff without importing autoscale. ``SCHEMA_VERSION`` says which
 from __future__ import annotations
 
 import json
+import math
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autoscale.diff.model import GraphDiff, GraphSection, NodeEntry, OverflowDecision, Provenance, ScaleInfo
+    from autoscale.diff.model import (
+        GraphDiff,
+        GraphSection,
+        LayerRow,
+        NodeEntry,
+        OverflowDecision,
+        Provenance,
+        ScaleInfo,
+    )
     from autoscale.inspect import Island
+    from autoscale.layer_numbers import LayerNumbers
 
 __all__ = ["SCHEMA_VERSION", "render_json", "schema"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the JSON document ``GraphDiff.to_json`` returns; bumped on any incompatible change."""
 
 
@@ -40,6 +50,25 @@ def _json_scale(s: ScaleInfo) -> dict[str, Any]:
             "out_rows": list(s.out_rows), "in_rows": list(s.in_rows), "record_rows": list(s.record_rows),
             "underflow": s.underflow, "amax": s.amax, "scale": s.scale, "arriving_scale": s.arriving_scale,
             "reason": s.reason, "backward_nodes": s.backward_nodes}
+
+
+def _json_numbers(n: LayerNumbers | None) -> dict[str, Any] | None:
+    if n is None:
+        return None
+    return {"weight_underflow": n.weight_underflow, "weight_grad_max": n.weight_grad_max,
+            "grad_underflow": n.grad_underflow, "grad_max": n.grad_max, "forward_max": n.forward_max}
+
+
+def _json_layer(r: LayerRow) -> dict[str, Any]:
+    return {"layer": r.layer, "module": r.module, "graph": r.graph, "precision": r.precision,
+            "float16_ops": r.float16_ops, "float32_ops": r.float32_ops, "reason": r.reason, "overflow": r.overflow,
+            "weights": r.weights, "scale_rows": list(r.scale_rows), "scale": r.scale,
+            "predicted": _json_numbers(r.predicted), "measured": _json_numbers(r.measured),
+            "run": None if r.run is None else {
+                "final_scale": r.run.final_scale, "min_scale": r.run.min_scale, "max_scale": r.run.max_scale,
+                "mean_zero_rate": None if math.isnan(r.run.mean_zero_rate) else r.run.mean_zero_rate,
+                "max_zero_rate": None if math.isnan(r.run.max_zero_rate) else r.run.max_zero_rate,
+                "overflows": r.run.overflows}}
 
 
 def _json_overflow(o: OverflowDecision) -> dict[str, Any]:
@@ -82,12 +111,13 @@ def render_json(d: GraphDiff, *, backward_only: bool) -> dict[str, Any]:
             "casts_folded": s.casts_folded, "backward_casts": s.backward_casts, "scale_points": s.scale_points,
             "unscale_points": s.unscale_points, "align_points": s.align_points, "watched": s.watched,
             "float32_for_overflow": s.float32_for_overflow,
-            "max_underflow": s.max_underflow, "max_underflow_node": s.max_underflow_node,
-            "max_underflow_layer": s.max_underflow_layer,
+            "max_underflow": s.max_underflow, "max_underflow_layer": s.max_underflow_layer,
+            "underflow_unknown": s.underflow_unknown,
             "islands": [_json_island(i) for i in s.islands], "unknown_ops": list(s.unknown_ops),
             "passes": [{"graph": p.graph, "stage": p.stage, "name": p.name, "modified": p.modified,
                         "counts": dict(p.counts)} for p in s.passes],
         },
+        "layers": [_json_layer(r) for r in d.layers],
         "scale_ops": [_json_scale(i) for i in d.scale_ops],
         "overflow": {"watched": s.watched, "float32": [_json_overflow(o) for o in d.overflow]},
         "backward": _json_section(d.backward),

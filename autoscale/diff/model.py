@@ -14,9 +14,11 @@ from typing import Any, Literal
 
 from autoscale.diff.html_format import render_html
 from autoscale.diff.json_format import render_json
-from autoscale.diff.notes import rate_text
+from autoscale.diff.notes import share_text
 from autoscale.diff.text_format import render_text
 from autoscale.inspect import Island
+from autoscale.layer_numbers import LayerNumbers
+from autoscale.report import LayerSummary
 
 __all__ = [
     "DiffSummary",
@@ -24,6 +26,7 @@ __all__ = [
     "GraphDiff",
     "GraphSection",
     "Kind",
+    "LayerRow",
     "NodeEntry",
     "OverflowDecision",
     "OverflowSource",
@@ -65,7 +68,7 @@ class ScaleInfo:
     (a parameter's gradient brought back to the loss scale) or "align" (branches with different
     scales aligned where they merge). ``row``: the row of the scaler's state it sets (the only one of
     ``out_rows``). ``underflow``: the predicted float16 underflow rate of the gradients it governs
-    at scale 1 (the worst one; 1.0 where the analysis could not predict one). ``amax``: their
+    at scale 1 (the worst one; None where the analysis could not predict one). ``amax``: their
     predicted largest magnitude. ``scale``/``arriving_scale``: the initial scales (the first step's)
     of ``out_rows``/``in_rows``, so the gradient is multiplied by ``scale / arriving_scale``.
     ``backward_nodes``: how many ATen nodes its backward became.
@@ -156,6 +159,46 @@ class FoldedCast:
 
 
 @dataclass(frozen=True)
+class LayerRow:
+    """One layer (module path) of the per-layer map, the first thing every rendering shows: what
+    autoscale decided for it and what it expects of its gradients and values.
+
+    ``module``: the module's class name ("" when unknown). ``float16_ops``/``float32_ops``: its
+    forward ops by the dtype the precision pass gave them, ``reason`` why the float32 ones are
+    float32 (the most frequent reason; "" when none is) and ``overflow`` whether one of them is kept
+    in float32 for forward overflow. ``weights``: whether it owns parameters that take a
+    gradient. ``scale_rows``: the rows of the scaler's state its scale
+    points set (usually one) and ``scale`` the largest of their initial, seeded scales (None: no
+    scale point). ``predicted``: the analysis' numbers at scale 1 (``autoscale.layer_numbers``);
+    ``measured``: the same numbers measured on one float32 step, when the diff was asked to
+    measure; ``run``: what a training run's ``GradScaler`` telemetry says of the layer (its scale
+    over the run, the zero rate of its float16 weight gradient at that scale, its overflows), when
+    the diff was given the log. ``graph``: the first graph the layer appears in.
+    """
+
+    layer: str
+    module: str
+    graph: int
+    float16_ops: int
+    float32_ops: int
+    reason: str
+    overflow: bool
+    weights: bool
+    scale_rows: tuple[int, ...]
+    scale: float | None
+    predicted: LayerNumbers | None
+    measured: LayerNumbers | None = None
+    run: LayerSummary | None = None
+
+    @property
+    def precision(self) -> Literal["float16", "float32", "mixed", "none"]:
+        """float16 or float32 when all its ops are, mixed when both occur, none without float ops."""
+        if self.float16_ops and self.float32_ops:
+            return "mixed"
+        return "float16" if self.float16_ops else "float32" if self.float32_ops else "none"
+
+
+@dataclass(frozen=True)
 class GraphSection:
     """The forward (Dynamo graph, before and after the dynamo stage) or the backward (AOTAutograd's
     backward graph of the unrewritten and of the rewritten forward) part of a diff."""
@@ -197,10 +240,10 @@ class DiffSummary:
     ``align_points``: the rescale nodes ``insert_grad_scaling`` inserted. ``watched``: the
     forward-overflow checks ``insert_overflow_checks`` inserted (values watched at run time);
     ``float32_for_overflow``: ops kept in float32 for forward overflow (``GraphDiff.overflow``).
-    ``max_underflow``: the
-    worst predicted float16 underflow rate (at scale 1) among the gradients a scale point could
-    govern (placed or not), ``max_underflow_node`` the node a point there would follow and
-    ``max_underflow_layer`` its module.
+    ``max_underflow``: the largest predicted share of a layer's weight-gradient entries that
+    float16 would flush to zero without scaling (at scale 1), over the layers with a prediction;
+    ``max_underflow_layer`` that layer; ``underflow_unknown`` how many layers with weights the
+    analysis could not predict it for.
     """
 
     dtype: str
@@ -218,8 +261,8 @@ class DiffSummary:
     watched: int
     float32_for_overflow: int
     max_underflow: float | None
-    max_underflow_node: str | None
     max_underflow_layer: str | None
+    underflow_unknown: int
     islands: tuple[Island, ...]
     unknown_ops: tuple[str, ...]
     passes: tuple[PassCount, ...]
@@ -228,9 +271,10 @@ class DiffSummary:
         text = (f"converted {self.converted} of {self.total} nodes to {self.dtype}, {self.casts} casts, "
                 f"{self.scale_points} scale points")
         if self.max_underflow is not None:
-            where = (f"in layer {self.max_underflow_layer}" if self.max_underflow_layer
-                     else f"at node {self.max_underflow_node}")
-            text += f" (predicted max underflow {rate_text(self.max_underflow)} {where})"
+            text += (f"; unscaled, float16 would flush to zero up to {share_text(self.max_underflow)} of a weight "
+                     f"gradient ({self.max_underflow_layer or '(model)'}, predicted)")
+        if self.underflow_unknown:
+            text += f"; not predicted for {self.underflow_unknown} layer{'s' if self.underflow_unknown > 1 else ''}"
         return text
 
 
@@ -238,8 +282,9 @@ class DiffSummary:
 class GraphDiff:
     """What the pipeline changed, node by node, in the forward and the backward graphs.
 
-    ``scale_ops``: the gradient rescale points; ``overflow``: the ops kept in float32 for forward
-    overflow, in graph order.
+    ``layers``: the per-layer map, in the order the layers first compute; ``scale_ops``: the
+    gradient rescale points; ``overflow``: the ops kept in float32 for forward overflow, in graph
+    order.
     """
 
     forward: GraphSection
@@ -247,15 +292,20 @@ class GraphDiff:
     summary: DiffSummary
     scale_ops: tuple[ScaleInfo, ...] = field(default=())
     overflow: tuple[OverflowDecision, ...] = field(default=())
+    layers: tuple[LayerRow, ...] = field(default=())
 
-    def to_text(self, *, color: bool = False, backward_only: bool = False, expand_scale_ops: bool = False) -> str:
-        """A unified diff of the readable graphs, with provenance annotations.
+    def to_text(self, *, color: bool = False, backward_only: bool = False, expand_scale_ops: bool = False,
+                summary_only: bool = False) -> str:
+        """The summary and the per-layer map, then a unified diff of the readable graphs, with
+        provenance annotations.
 
         ANSI colours only with ``color`` (the CLI passes ``sys.stdout.isatty()``). The ATen nodes
         of each rescale point's backward are one line unless ``expand_scale_ops``: a point is ~50
-        nodes, which would drown the rest of the backward.
+        nodes, which would drown the rest of the backward. ``summary_only``: the summary and the
+        map alone, which fit a terminal where the node diff runs to thousands of lines.
         """
-        return render_text(self, color=color, backward_only=backward_only, expand=expand_scale_ops)
+        return render_text(self, color=color, backward_only=backward_only, expand=expand_scale_ops,
+                           summary_only=summary_only)
 
     def to_json(self, *, backward_only: bool = False) -> dict[str, Any]:
         """A JSON-ready dict that validates against ``autoscale/diff/schema.json`` (see :func:`schema`)."""

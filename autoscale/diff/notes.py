@@ -9,20 +9,30 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from autoscale.ops import FP16_MAX
 from autoscale.overflow import OVERFLOW_REASON
 
 if TYPE_CHECKING:
-    from autoscale.diff.model import DiffSummary, GraphDiff, OverflowDecision, ScaleInfo
+    from autoscale.diff.model import DiffSummary, GraphDiff, LayerRow, OverflowDecision, ScaleInfo
+    from autoscale.layer_numbers import LayerNumbers
 
-__all__ = ["overflow_line", "overflow_note", "rate_text", "scale_note", "scale_text", "summary_details"]
+__all__ = ["LAYER_COLUMNS", "RUN_COLUMNS", "layer_cells", "map_columns", "overflow_line", "overflow_note", "rate_text",
+           "scale_note", "scale_text", "share_text", "summary_details"]
 
 
 def rate_text(x: float) -> str:
     """A rate (an underflow fraction) in two significant digits: enough to compare, short in a line."""
     return f"{x:.1e}"
+
+
+def share_text(x: float) -> str:
+    """A share of a tensor's entries (an underflow share) as a percentage in two significant
+    digits, ``3.1%``, ``0.00017%``, ``0%``, and below one in a million ``<0.0001%`` (the JSON has
+    the exact figure)."""
+    return "0%" if x == 0 else "<0.0001%" if x < 1e-6 else f"{100 * x:.2g}%"
 
 
 def scale_text(x: float) -> str:
@@ -94,8 +104,85 @@ def summary_details(s: DiffSummary, d: GraphDiff, *, decisions: bool = False) ->
         if decisions:
             lines.extend("  " + overflow_note(o, graph=s.graphs > 1) for o in d.overflow)
     if s.islands:
-        lines.append("FP32 islands: " + "; ".join(
-            f"{i.op}{f' x{len(i.nodes)}' if len(i.nodes) > 1 else ''} -> {i.reason}" for i in s.islands))
+        ops = sum(len(i.nodes) for i in s.islands)
+        lines.append(f"float32 islands: {_count(ops, 'op')} kept in float32 for {_count(len(s.islands), 'reason')} "
+                     "(the per-layer map says which layers and why)")
     if s.unknown_ops:
         lines.append("unknown ops (kept in float32): " + ", ".join(s.unknown_ops))
     return lines
+
+
+LAYER_COLUMNS = {
+    "layer": "the module path",
+    "module": "the module's class",
+    "precision": "the dtype of its forward ops (float16, float32, or mixed: both)",
+    "scale": "its gradient scale point: the initial scale the analysis seeded, and its row",
+    "dW flushed": "the share of its weight-gradient entries float16 flushes to zero without scaling",
+    "dY flushed": "the same share for the gradient arriving at its outputs",
+    "|dY| max": "the largest magnitude of that gradient, at scale 1",
+    "fwd max": f"the largest magnitude its forward computes (float16 holds up to {FP16_MAX:g})",
+    "why float32": "why its float32 ops are float32",
+}
+"""The per-layer map's columns and what each says (the text's legend, the HTML headers' titles)."""
+
+RUN_COLUMNS = {
+    "run scale": "its scale in the telemetry's run: the last one, and the range it moved in",
+    "run dW zeros": "the mean share of its float16 weight-gradient entries that were zero at that scale, over the "
+                    "run's steps not skipped (underflow, and structural zeros such as ReLU's)",
+    "run overflows": "the updates of the run at which its gradients overflowed",
+}
+"""The columns a telemetry log adds to the map (``diff(..., telemetry=LOG)``)."""
+
+
+def map_columns(rows: Iterable[LayerRow]) -> dict[str, str]:
+    """The map's columns for these rows: ``LAYER_COLUMNS``, with ``RUN_COLUMNS`` before the last
+    (the reason, a sentence) when a row has telemetry."""
+    columns = dict(LAYER_COLUMNS)
+    if any(r.run is not None for r in rows):
+        why = columns.pop("why float32")
+        columns |= RUN_COLUMNS | {"why float32": why}
+    return columns
+
+
+def layer_cells(r: LayerRow) -> dict[str, str]:
+    """A row of the per-layer map as text, one cell per ``LAYER_COLUMNS`` entry (and per
+    ``RUN_COLUMNS`` entry when the row has telemetry): each predicted number followed by the
+    measured one (``predicted / measured``) when the diff measured, "?" for a weight gradient the
+    analysis could not predict, "-" for what the layer does not have."""
+    p, m = r.predicted, r.measured
+
+    def cell(get: str, fmt: Callable[[float], str], *, unknown: str = "-") -> str:
+        pred = _number(p, get)
+        text = fmt(pred) if pred is not None else unknown
+        if m is not None:
+            meas = _number(m, get)
+            text += " / " + (fmt(meas) if meas is not None else "-")
+        return text
+
+    precision = r.precision if r.precision != "mixed" else f"mixed {r.float16_ops}/{r.float32_ops}"
+    scale = "-" if r.scale is None else f"{scale_text(r.scale)} (row {', '.join(map(str, r.scale_rows))})"
+    fwd = cell("forward_max", _magnitude)
+    run = {}
+    if r.run is not None:
+        low, high = scale_text(r.run.min_scale), scale_text(r.run.max_scale)
+        run = {"run scale": scale_text(r.run.final_scale) + (f" ({low}..{high})" if low != high else ""),
+               "run dW zeros": share_text(r.run.mean_zero_rate) if not math.isnan(r.run.mean_zero_rate) else "-",
+               "run overflows": str(r.run.overflows)}
+    return {
+        **run,
+        "layer": r.layer or "(model)", "module": r.module, "precision": precision,
+        "scale": scale,
+        "dW flushed": cell("weight_underflow", share_text, unknown="?" if r.weights else "-"),
+        "dY flushed": cell("grad_underflow", share_text), "|dY| max": cell("grad_max", _magnitude),
+        "fwd max": fwd, "why float32": r.reason,
+    }
+
+
+def _number(n: LayerNumbers | None, name: str) -> float | None:
+    value = getattr(n, name) if n is not None else None
+    return float(value) if value is not None else None
+
+
+def _magnitude(x: float) -> str:
+    """A magnitude in three significant digits, flagged ``!`` beyond float16's range."""
+    return f"{x:.3g}" + (" !" if x > FP16_MAX else "")

@@ -12,26 +12,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from autoscale.diff.notes import scale_note, summary_details
+from autoscale.diff.notes import layer_cells, map_columns, scale_note, summary_details
 
 if TYPE_CHECKING:
     from autoscale.diff.model import GraphDiff, NodeEntry
 
 __all__ = ["render_text"]
 
+_WHY_WIDTH = 40  # the text map's last column; the JSON and the HTML page have the whole reason
 _ANSI = {"-": "\x1b[31m", "+": "\x1b[32m", "@": "\x1b[36m", "hdr": "\x1b[1m", "scale": "\x1b[35m",
          "dim": "\x1b[2m", "end": "\x1b[0m"}
 
 
-def render_text(d: GraphDiff, *, color: bool, backward_only: bool, expand: bool) -> str:
+def render_text(d: GraphDiff, *, color: bool, backward_only: bool, expand: bool, summary_only: bool = False) -> str:
     """``GraphDiff.to_text``'s document (its docstring says what the options do): a header with the
-    summary, then per section and graph one hunk of node lines."""
+    summary, the per-layer map, then per section and graph one hunk of node lines."""
     def paint(style: str, text: str) -> str:
         return f"{_ANSI[style]}{text}{_ANSI['end']}" if color else text
 
     s = d.summary
     out = [paint("hdr", f"autoscale diff: {s}")]
     out.extend("  " + line for line in summary_details(s, d, decisions=True))
+    out.extend(_layer_map(d, paint))
+    if summary_only:
+        return "\n".join(out) + "\n"
     sections = [d.backward] if backward_only else [d.forward, d.backward]
     infos = {(i.graph, i.node): i for i in d.scale_ops}
     for section in sections:
@@ -65,6 +69,32 @@ def render_text(d: GraphDiff, *, color: bool, backward_only: bool, expand: bool)
                     out.append(paint("dim", f"# folded ({f.stage}{', ' + f.side if f.side else ''}, inserted by "
                                             f"{f.created_by}): {f.text}"))
     return "\n".join(out) + "\n"
+
+
+def _layer_map(d: GraphDiff, paint: Callable[[str, str], str]) -> list[str]:
+    """The per-layer map as an aligned table (float32 layers dimmed on a terminal, so the float16
+    ones stand out), with what each column says under it."""
+    if not d.layers:
+        return []
+    measured = any(r.measured is not None for r in d.layers)
+    columns = map_columns(d.layers)
+    out = [paint("hdr", "per-layer map" + (" (predicted / measured on one float32 step)" if measured
+                                           else " (predicted by the analysis; --measure adds measured values)"))]
+    cells = [{c: "" for c in columns} | layer_cells(r) for r in d.layers]
+    for row in cells:  # (the reasons are sentences: cut to keep the table within a wide terminal)
+        if len(row["why float32"]) > _WHY_WIDTH:
+            row["why float32"] = row["why float32"][:_WHY_WIDTH - 1] + "…"
+    widths = {c: max(len(c), *(len(row[c]) for row in cells)) for c in columns}
+    last = list(columns)[-1]
+
+    def line(row: dict[str, str]) -> str:
+        return "  " + "  ".join(row[c] if c == last else row[c].ljust(widths[c]) for c in columns).rstrip()
+
+    out.append(paint("hdr", line({c: c for c in columns})))
+    for r, row in zip(d.layers, cells, strict=True):
+        out.append(paint("dim", line(row)) if r.precision == "float32" else line(row))
+    out.extend(paint("dim", f"    {c}: {what}") for c, what in columns.items() if c not in ("layer", "module"))
+    return out
 
 
 def _text_lines(e: NodeEntry, paint: Callable[[str, str], str]) -> list[str]:

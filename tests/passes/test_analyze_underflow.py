@@ -19,7 +19,10 @@ from autoscale.passes.analyze_underflow import (
     UPDATE_SIZE,
     Moments,
     calibrate,
+    forward_moments,
+    loss_outputs,
     predicted_underflow,
+    reference_step,
     seed_inputs,
 )
 from autoscale.passes.graph_utils import op_name
@@ -247,9 +250,17 @@ def test_moments_of_a_tensor() -> None:
 
 
 def test_underflow_rate_model() -> None:
-    assert predicted_underflow(Moments(0.0, 1.0, 3.0)) == pytest.approx(math.erf(2.0**-24 / math.sqrt(2)))
-    assert predicted_underflow(Moments(0.0, (2.0**-24) ** 2, 1e-7)) == pytest.approx(math.erf(1 / math.sqrt(2)))
-    assert predicted_underflow(Moments(0.0, 0.0, 0.0)) == 1.0
+    """The share float16 flushes to zero: |x| <= 2^-25 (round to nearest even sends (2^-25, 2^-24)
+    up to the smallest subnormal, and the tie at 2^-25 down to 0), under a Gaussian of the spread."""
+    assert predicted_underflow(Moments(0.0, 1.0, 3.0)) == pytest.approx(math.erf(2.0**-25 / math.sqrt(2)))
+    assert predicted_underflow(Moments(0.0, (2.0**-25) ** 2, 1e-7)) == pytest.approx(math.erf(1 / math.sqrt(2)))
+    assert predicted_underflow(Moments(0.0, 0.0, 0.0)) == 1.0  # (the limit: a spread too small to represent)
+    flushed = torch.tensor([2.0**-25, 2.0**-25 * 1.0001, 2.0**-24 * 0.75]).half()
+    assert flushed.tolist() == [0.0, 2.0**-24, 2.0**-24]
+    torch.manual_seed(0)
+    x = torch.randn(1 << 20, dtype=torch.float64) * 2.0**-22  # a measured share against the model
+    measured = float(((x != 0) & (x.float().half() == 0)).double().mean())
+    assert measured == pytest.approx(predicted_underflow(Moments(0.0, 2.0**-44, 1e-5)), rel=0.02)
 
 
 def test_stress_model_predicts_underflow_in_the_first_layers() -> None:
@@ -294,3 +305,220 @@ def test_calibration_replaces_predictions_with_one_measured_fp32_step() -> None:
         predicted = gemm.meta[MOMENTS_KEY]
         assert predicted["value"].std == pytest.approx(float(measured[gemm].double().std()), rel=1e-3)
         assert predicted["grad"].std == pytest.approx(float(measured[gemm].grad.double().std()), rel=1e-3)
+
+
+# ------------------------------------------------------------------ attention, masks, outputs
+
+
+def _step(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
+          ) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.Tensor]]:
+    """``fn``'s graph, analyzed, and one float32 step of it (``reference_step``)."""
+    (gm, example), = capture(fn, *inputs)
+    seed_inputs(gm, example)
+    run_stage(gm, autoscale.Config(compute="native"), "dynamo",
+              [PassSpec(remove_inplace, "dynamo"), PassSpec(analyze_underflow, "dynamo")])
+    return gm, reference_step(gm, example)
+
+
+def _rms_ratio(node: torch.fx.Node, measured: dict[torch.fx.Node, torch.Tensor], kind: str = "grad") -> float:
+    """Predicted over measured root mean square of ``node``'s value or gradient."""
+    t = measured[node] if kind == "value" else measured[node].grad
+    assert t is not None
+    return math.sqrt(node.meta[MOMENTS_KEY][kind].ms) / float(t.detach().double().square().mean().sqrt())
+
+
+def _named(gm: torch.fx.GraphModule, *names: str) -> list[torch.fx.Node]:
+    by_name = {n.name: n for n in gm.graph.nodes}
+    return [by_name[name] for name in names]
+
+
+def _qkv(seed: int = 0, length: int = 32, spread: float = 1.0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(4, 2, length, 16, generator=g) * spread for _ in range(3))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), torch.randn(4, 2, length, 16, generator=g)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 1.0])
+def test_attention_predicted_per_row_of_live_keys(causal: bool, scale: float | None) -> None:
+    """scaled_dot_product_attention, with and without ``is_causal``, at the default scale and at
+    T5's 1 (peaked weights): the output, dQ, dK and dV within 1.25 of one float32 step. A causal
+    row i averages over i + 1 keys (its first rows keep most of V's spread, and pass dQ nothing);
+    dV sums the dO of the queries that attend to a key, weighted. (The rule this replaces took a
+    causal row as half the keys, ignored ``scale`` and took dV as dO: dV's spread came out 2.2-3.6x
+    too large, dQ's and dK's up to 2.9x, and at scale 1 the output's 0.6x.)"""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return (F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale) * r).sum()
+
+    gm, measured = _step(attend, *_qkv(spread=0.5 if scale == 1.0 else 1.0))
+    out, = (n for n in gm.graph.nodes if op_name(n) == "scaled_dot_product_attention")
+    ratios = {"out value": _rms_ratio(out, measured, "value"), "out grad": _rms_ratio(out, measured)}
+    for name, arg in zip("qkv", out.args[:3], strict=True):
+        assert isinstance(arg, torch.fx.Node)
+        ratios[f"d{name}"] = _rms_ratio(arg, measured)
+    outside = {k: round(r, 2) for k, r in ratios.items() if not 0.8 <= r <= 1.25}
+    assert not outside, outside
+
+
+@pytest.mark.parametrize("fill", ["masked_fill", "additive"])
+def test_a_causal_mask_known_at_compile_time_shapes_the_softmax(fill: str) -> None:
+    """Attention written out: ``scores.masked_fill(~tril, -inf)``, or ``scores + where(tril, 0,
+    finfo.min)`` (Hugging Face's eager attention). The mask is built from constants, so the analysis
+    computes it, and the softmax knows each row's live keys: its weights' mean square, the output
+    and the gradients of q, k, v within 1.25 of one float32 step. The mask fill is no magnitude:
+    the masked scores' predicted max is the scores' own."""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        t = q.shape[-2]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if fill == "masked_fill":
+            scores = scores.masked_fill(~causal, float("-inf"))
+        else:
+            scores = scores + torch.where(causal, 0.0, torch.finfo(torch.float32).min)
+        return ((torch.softmax(scores, dim=-1) @ v) * r).sum()
+
+    gm, measured = _step(attend, *_qkv())
+    softmax, = (n for n in gm.graph.nodes if op_name(n) == "softmax")
+    product = next(iter(softmax.users))
+    masked = softmax.args[0]
+    assert isinstance(masked, torch.fx.Node)
+    ratios = {"weights": _rms_ratio(softmax, measured, "value"), "out": _rms_ratio(product, measured, "value"),
+              "scores grad": _rms_ratio(masked, measured)}
+    for name, node in zip("qkv", gm.graph.find_nodes(op="placeholder"), strict=False):
+        ratios[f"d{name}"] = _rms_ratio(node, measured)
+    outside = {k: round(r, 2) for k, r in ratios.items() if not 0.8 <= r <= 1.25}
+    assert not outside, outside
+    assert masked.meta[MOMENTS_KEY]["value"].amax < 100
+
+
+def test_a_learned_position_bias_through_a_causal_mask_gets_its_gradient() -> None:
+    """T5's decoder: the attention mask is a learned position bias with float32's finfo.min where
+    the causal mask (built from constants) is False. The rows' live keys come from the mask's fill,
+    the scores' spread adds the bias's; the bias's gradient is the scores' gradient, summed over the
+    batch it is broadcast along. Within 1.25 of one float32 step (it had no rule: unknown)."""
+    g = torch.Generator().manual_seed(1)
+    bias = torch.nn.Parameter(torch.randn(1, 2, 32, 32, generator=g))
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        causal = torch.ones(32, 32, dtype=torch.bool).tril()
+        mask = torch.where(causal, bias, torch.finfo(torch.float32).min)
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0) * r).sum()
+
+    q, k, v, r = _qkv(spread=0.3)
+    gm, measured = _step(attend, q, k, v, r)
+    where, = (n for n in gm.graph.nodes if op_name(n) == "where")
+    out, = (n for n in gm.graph.nodes if op_name(n) == "scaled_dot_product_attention")
+    ratios = {"out": _rms_ratio(out, measured, "value"), "mask grad": _rms_ratio(where, measured)}
+    outside = {k: round(r, 2) for k, r in ratios.items() if not 0.8 <= r <= 1.25}
+    assert not outside, outside
+
+
+def test_a_returned_loss_is_what_the_gradient_comes_from() -> None:
+    """A graph that returns its loss returns its logits beside it: only the loss gets a gradient
+    (a cross-entropy gradient assumed on the logits doubled theirs). Without a loss, the outputs the
+    graph also reads itself (a KV cache) get none: only the final ones (the logits) are assumed to
+    feed a loss."""
+    lin = nn.Linear(8, 8)
+    x, y = torch.randn(4, 8), torch.randint(0, 8, (4,))
+
+    def with_loss(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = lin(x)
+        return F.cross_entropy(logits, y), logits
+
+    def with_cache(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = lin(x)
+        return lin(torch.relu(cache)), cache
+
+    for fn, wanted in ((with_loss, "cross_entropy"), (with_cache, "linear")):
+        (gm, example), = capture(fn, x)
+        receiving = loss_outputs(gm)
+        assert [op_name(n) for n in receiving] == [wanted]
+        seed_inputs(gm, example)
+        run_stage(gm, autoscale.Config(compute="native"), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+        measured = reference_step(gm, example)
+        first = next(n for n in gm.graph.nodes if op_name(n) == "linear")
+        assert 0.7 <= _rms_ratio(first, measured) <= 1.4
+
+
+def test_conv1d_as_addmm_and_a_selected_position() -> None:
+    """GPT-2's projections are ``torch.addmm(bias, x, W)`` (it had no rule: everything after a
+    GPT-2 projection was unknown); a classifier reading one position (``x[:, 0]``, the CLS token)
+    passes back a gradient with zeros at every other position: its spread over the sequence is
+    the position's over the length, while its max stays the position's."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(16, 48, generator=g) * 0.1, torch.randn(48, generator=g) * 0.1
+    x = torch.randn(4, 32, 16, generator=g, requires_grad=True)
+    r = torch.randn(4, 48, generator=g)
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        h = torch.addmm(b, x.view(-1, 16), w).view(4, 32, 48)
+        return (h[:, 0] * r).sum()
+
+    gm, measured = _step(head, x)
+    addmm, = (n for n in gm.graph.nodes if op_name(n) == "addmm")
+    assert 0.9 <= _rms_ratio(addmm, measured, "value") <= 1.1
+    view = next(iter(addmm.users))
+    assert 0.8 <= _rms_ratio(view, measured) <= 1.25
+    x_node = gm.graph.find_nodes(op="placeholder")[0]
+    assert 0.8 <= _rms_ratio(x_node, measured) <= 1.25
+    peak = float(measured[view].grad.abs().max())  # type: ignore[union-attr]
+    assert 0.5 <= view.meta[MOMENTS_KEY]["grad"].amax / peak <= 2.0
+
+
+def test_batch_norm_divides_by_each_channels_own_variance() -> None:
+    """A convolution of a ReLU's output (mean near its spread): each output channel's mean is the
+    input's mean times that channel's weights' sum, which differs from channel to channel; a batch
+    norm after it normalizes each channel by its own variance, without those differences. Its
+    backward, predicted from the output's whole variance, came out ~2x too weak (compounding to
+    4-20x at ResNet's stem); from the variance within a channel, within 1.25."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(), nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.Conv2d(32, 8, 3, padding=1))
+    gm, measured = _module_analyzed(model, torch.randn(8, 16, 6, 6) + 0.5)
+    norm, = (n for n in gm.graph.nodes if op_name(n) == "batch_norm")
+    assert 0.8 <= _backward_factor(norm, measured) <= 1.25
+
+
+def test_convolution_on_a_small_map_reads_padding() -> None:
+    """A padded 3x3 convolution on a 2x2 map: 4 of its 9 taps land inside on average. Its output's
+    spread is of those taps (it was of all 9: 1.5x too high, MobileNetV2's last blocks)."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(16, 16, 3, padding=1, bias=False)
+    gm, measured = _module_analyzed(nn.Sequential(conv), torch.randn(8, 16, 2, 2))
+    node, = (n for n in gm.graph.nodes if op_name(n) == "conv2d")
+    assert 0.9 <= _rms_ratio(node, measured, "value") <= 1.1
+
+
+def test_max_pool_takes_the_largest_of_each_window() -> None:
+    """ResNet's stem: a 3x3 max pool (stride 2) of a ReLU's output. The value is the largest of 9
+    (it was taken as the input: 0.45 of its spread); the gradient goes to one input per window."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Conv2d(8, 8, 1))
+    gm, measured = _module_analyzed(model, torch.randn(8, 8, 16, 16, requires_grad=True))
+    pool, = (n for n in gm.graph.nodes if op_name(n) == "max_pool2d")
+    assert 0.8 <= _rms_ratio(pool, measured, "value") <= 1.2
+    relu = pool.args[0]
+    assert isinstance(relu, torch.fx.Node)
+    assert 0.7 <= _rms_ratio(relu, measured) <= 1.4
+
+
+def test_values_known_at_compile_time_are_computed_and_random_ones_are_not() -> None:
+    """A mask or index built from constants is computed at compile time (exact moments); a random
+    op is not (the user's random stream is untouched), and a value computed from it stays a
+    prediction."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(8, dtype=torch.float32) / 4
+        noise = torch.rand(8)
+        return (x * steps + x * noise).sum()
+
+    (gm, example), = capture(f, torch.randn(4, 8))
+    seed_inputs(gm, example)
+    state = torch.random.get_rng_state()
+    values = forward_moments(gm)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    by_op = {op_name(n): n for n in gm.graph.nodes}
+    steps = by_op["truediv"]
+    assert values[steps] == Moments.of(torch.arange(8, dtype=torch.float32) / 4)
+    assert by_op["rand"].meta.get("autoscale_concrete") is None
+    run_stage(gm, autoscale.Config(), "dynamo", [PassSpec(analyze_underflow, "dynamo")])
+    assert all("autoscale_concrete" not in n.meta for n in gm.graph.nodes)  # (dropped after the pass)
