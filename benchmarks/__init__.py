@@ -14,3 +14,10 @@ def notes_of(path: Path) -> str:
         return ""
     text = path.read_text()
     return text[text.index(NOTES_HEADING):] if NOTES_HEADING in text else ""
+
+
+def write_report(path: Path, text: str) -> None:
+    """Write a report's ``text`` to ``path``, keeping the hand-written analysis of the report already
+    there (``notes_of``) after it."""
+    notes = notes_of(path)
+    path.write_text(text + ("\n" + notes if notes else ""))

@@ -38,7 +38,7 @@ from torch.fx import GraphModule
 import autoscale
 from autoscale.passes import PIPELINE, run_stage
 from autoscale.passes.analyze_underflow import seed_inputs
-from benchmarks import notes_of
+from benchmarks import write_report
 
 
 def chain(layers: int) -> tuple[nn.Module, torch.Tensor]:
@@ -182,9 +182,8 @@ def main() -> None:
         return
     if args.end_to_end:
         path = Path(__file__).resolve().parent.parent / "docs" / "results" / "compile_time_models.md"
-        notes = notes_of(path)
         text = end_to_end()
-        path.write_text(text + ("\n" + notes if notes else ""))
+        write_report(path, text)
         print(text)
         return
     lines = ["| Dynamo nodes | dynamo stage (median) | range | per node | joint stage | Inductor compile "

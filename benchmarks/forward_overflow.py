@@ -46,7 +46,7 @@ import torch._dynamo
 from torch import nn
 
 import autoscale
-from benchmarks import notes_of
+from benchmarks import write_report
 from benchmarks.overflow_models import T5, Drifting, LogOfZero, drifting_batch, t5_batch
 
 __all__ = ["CASES", "Case", "RunResult", "run"]
@@ -254,9 +254,7 @@ def main() -> None:
                 results.append(r)
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     body = markdown(results, seeds=args.seeds, machine=machine, minutes=(time.perf_counter() - start) / 60)
-    notes = notes_of(args.output)
-    args.output.write_text(f"# Forward overflow: float32, torch.amp and autoscale\n\n{__doc__}\n{body}\n"
-                           + ("\n" + notes if notes else ""))
+    write_report(args.output, f"# Forward overflow: float32, torch.amp and autoscale\n\n{__doc__}\n{body}\n")
     print(body)
 
 

@@ -70,7 +70,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import autoscale
-from benchmarks import notes_of
+from benchmarks import write_report
 from benchmarks.numerics.tasks import STRESS_DIVISOR, TASKS, Data
 
 log = logging.getLogger("benchmarks.integrations")
@@ -522,9 +522,8 @@ def main() -> None:
     body = markdown(runs, machine=machine, minutes=(time.perf_counter() - start) / 60, quick=args.quick,
                     executor=executor)
     if output is not None:
-        notes = notes_of(output)
-        output.write_text(f"# Through the training frameworks: float32, torch.amp and autoscale\n\n{__doc__}\n{body}"
-                          + ("\n" + notes if notes else ""))
+        title = "# Through the training frameworks: float32, torch.amp and autoscale"
+        write_report(output, f"{title}\n\n{__doc__}\n{body}")
     if args.json is not None:
         args.json.write_text(json.dumps([{**asdict(r), "finite": r.finite} for r in runs], indent=1))
     print(body)

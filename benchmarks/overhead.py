@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoscale
-from benchmarks import notes_of
+from benchmarks import write_report
 from benchmarks.host_reads import HostReads
 from benchmarks.numerics.tasks import Block
 
@@ -274,8 +274,7 @@ def main() -> None:
     text = report(results, quick=args.quick, runs=args.runs, rounds=rounds, steps=steps, device=args.device)
     suffix = ("_quick" if args.quick else "") + ("" if args.device == "cpu" else f"_{args.device}")
     path = args.output or Path(__file__).resolve().parent.parent / "docs" / "results" / f"overhead{suffix}.md"
-    notes = notes_of(path)
-    path.write_text(text + ("\n" + notes if notes else ""))
+    write_report(path, text)
     print(text)
 
 

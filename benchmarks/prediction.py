@@ -52,7 +52,7 @@ from autoscale.layer_numbers import LayerNumbers, measure_layers, predict_layers
 from autoscale.passes import PIPELINE, analyze_underflow, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
 from autoscale.passes.graph_utils import copy_graph_module
-from benchmarks import notes_of
+from benchmarks import write_report
 
 __all__ = ["MAGNITUDES", "QUANTITIES", "RATES", "Comparison", "Model", "agreement", "compare", "models",
            "spearman"]
@@ -360,9 +360,7 @@ def main() -> None:
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     body = markdown(results, machine=machine, minutes=(time.perf_counter() - start) / 60)
     if output is not None:
-        notes = notes_of(output)
-        output.write_text(f"# Per-layer predictions against measurement\n\n{__doc__}\n{body}"
-                          + ("\n" + notes if notes else ""))
+        write_report(output, f"# Per-layer predictions against measurement\n\n{__doc__}\n{body}")
     print(body)
 
 

@@ -38,7 +38,7 @@ from torch import nn
 import autoscale
 from autoscale.ops import SCALE_RANGE
 from autoscale.update import adaptive_backoff
-from benchmarks import notes_of
+from benchmarks import write_report
 
 __all__ = ["KINDS", "Report", "run"]
 
@@ -194,8 +194,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     path = Path(__file__).resolve().parent.parent / "docs" / "results" / "reliability.md"
-    notes = notes_of(path)
-    path.write_text(f"# Reliability: fault injection\n\n{__doc__}\n{table}\n" + ("\n" + notes if notes else ""))
+    write_report(path, f"# Reliability: fault injection\n\n{__doc__}\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from torch import nn
 
 import autoscale
 from autoscale import schedules
-from benchmarks import notes_of
+from benchmarks import write_report
 from benchmarks.numerics.tasks import TASKS, Task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,8 +164,7 @@ def _write(args: argparse.Namespace, seeds: int, steps: int, q_min: int, probes:
               "| task | format | test accuracy % |", "|---|---|---|"]
     lines += [f"| {task} | {label} | {_mean_std(accs)} |" for task, label, accs in formats]
     path = out / "schedules.md"
-    notes = notes_of(path)
-    path.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
+    write_report(path, "\n".join(lines) + "\n")
     _plot(rows, out / "schedules.png")
     print(f"wrote {path}")
 

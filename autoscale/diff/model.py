@@ -269,7 +269,7 @@ class DiffSummary:
 
     def __str__(self) -> str:
         text = (f"converted {self.converted} of {self.total} nodes to {self.dtype}, {self.casts} casts, "
-                f"{self.scale_points} scale points")
+                f"{self.scale_points} scale point{'' if self.scale_points == 1 else 's'}")
         if self.max_underflow is not None:
             text += (f"; unscaled, float16 would flush to zero up to {share_text(self.max_underflow)} of a weight "
                      f"gradient ({self.max_underflow_layer or '(model)'}, predicted)")

@@ -84,6 +84,7 @@ def _layer_map(d: GraphDiff, paint: Callable[[str, str], str]) -> list[str]:
     for row in cells:  # (the reasons are sentences: cut to keep the table within a wide terminal)
         if len(row["why float32"]) > _WHY_WIDTH:
             row["why float32"] = row["why float32"][:_WHY_WIDTH - 1] + "…"
+    columns = {c: what for c, what in columns.items() if c == "layer" or any(row[c] for row in cells)}  # (none empty)
     widths = {c: max(len(c), *(len(row[c]) for row in cells)) for c in columns}
     last = list(columns)[-1]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import notes_of
+from benchmarks import write_report
 from benchmarks.zoo.compare import LOSS_GAP_TARGET, SQNR_SLACK_DB, ZooResult, compare
 from benchmarks.zoo.models import MODELS
 
@@ -122,9 +122,7 @@ def main() -> None:
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     body = markdown(results, machine=machine, minutes=(time.perf_counter() - start) / 60)
     if output is not None:
-        notes = notes_of(output)
-        output.write_text(f"# The public model zoo: float32, torch.amp and autoscale\n\n{__doc__}\n{body}"
-                          + ("\n" + notes if notes else ""))
+        write_report(output, f"# The public model zoo: float32, torch.amp and autoscale\n\n{__doc__}\n{body}")
     print(body)
 
 
