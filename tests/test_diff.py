@@ -431,7 +431,7 @@ def test_layer_map(tiny: GraphDiff) -> None:
         assert r.scale_rows == (points[name].row,) and r.scale == points[name].scale
         assert r.predicted is not None and r.predicted.weight_underflow is not None and r.measured is None
     top = rows[""]  # the model's own ops: the ReLU in float16, the loss in float32 by the deny list
-    assert (top.precision, top.float16_ops, top.float32_ops) == ("mixed", 1, 1)
+    assert (top.precision, top.low_ops, top.float32_ops) == ("mixed", 1, 1)
     assert top.reason.startswith("deny list") and not top.weights
     assert top.scale is None and top.predicted is not None and top.predicted.grad_max == pytest.approx(1.0)
     worst = max(tiny.layers, key=lambda r: r.predicted.weight_underflow if r.predicted and
@@ -439,6 +439,17 @@ def test_layer_map(tiny: GraphDiff) -> None:
     s = tiny.summary
     assert (s.max_underflow_layer, s.underflow_unknown) == (worst.layer, 0)
     assert f"({worst.layer}, predicted)" in str(s)
+
+
+def test_layer_map_in_bfloat16() -> None:
+    """The map names the diff's low dtype: bfloat16 layers are bfloat16, not "none"."""
+    model, inputs = tiny_case()
+    d = diff(model, inputs, config=Config(dtype=torch.bfloat16, compute="native"))
+    rows = {r.layer: r for r in d.layers}
+    assert (rows["fc1"].precision, rows["fc1"].low_dtype, rows["fc1"].low_ops) == ("bfloat16", "bfloat16", 1)
+    assert rows[""].precision == "mixed"
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.Draft202012Validator(schema()).validate(json.loads(json.dumps(d.to_json())))
 
 
 def test_measured_numbers_are_those_of_a_float32_step() -> None:

@@ -398,7 +398,7 @@ def assemble(graphs: list[CapturedGraph], cfg: Config, run: Mapping[str, LayerSu
         folded_f.extend(f)
         folded_b.extend(b)
         passes.extend(PassCount(g.index, r.stage, r.name, r.modified, dict(r.counts)) for r in g.records)
-    layers = layer_rows(graphs, scale_ops, overflow, run)
+    layers = layer_rows(graphs, scale_ops, overflow, dtype_name(cfg.dtype), run)
     worst, worst_layer, unknown = worst_underflow(layers)
     reports = [g.report for g in graphs]
     islands = _merge_islands(i for r in reports for i in r.islands)

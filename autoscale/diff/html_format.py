@@ -49,7 +49,8 @@ table.layers td { padding: 2px 6px; border-bottom: 1px solid #eaeef2; vertical-a
 tr.layer-row td.name { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; white-space: nowrap; }
 tr.layer-row td.name button { border: 0; background: none; cursor: pointer; width: 1.4em; padding: 0; }
 tr.layer-row.open td.name button { transform: rotate(90deg); }
-tr.layer-row td.precision { font-weight: 600; } tr.layer-row.float16 td.precision { color: var(--f16); }
+tr.layer-row td.precision { font-weight: 600; }
+tr.layer-row.float16 td.precision, tr.layer-row.bfloat16 td.precision { color: var(--f16); }
 tr.layer-row.float32 td.precision, tr.layer-row.float32 td.name { color: var(--f32); }
 tr.layer-row.mixed td.precision { color: #9a6700; }
 td.num { font-variant-numeric: tabular-nums; white-space: nowrap; min-width: 9em; }

@@ -61,8 +61,8 @@ def _json_numbers(n: LayerNumbers | None) -> dict[str, Any] | None:
 
 def _json_layer(r: LayerRow) -> dict[str, Any]:
     return {"layer": r.layer, "module": r.module, "graph": r.graph, "precision": r.precision,
-            "float16_ops": r.float16_ops, "float32_ops": r.float32_ops, "reason": r.reason, "overflow": r.overflow,
-            "weights": r.weights, "scale_rows": list(r.scale_rows), "scale": r.scale,
+            "low_dtype": r.low_dtype, "low_ops": r.low_ops, "float32_ops": r.float32_ops, "reason": r.reason,
+            "overflow": r.overflow, "weights": r.weights, "scale_rows": list(r.scale_rows), "scale": r.scale,
             "predicted": _json_numbers(r.predicted), "measured": _json_numbers(r.measured),
             "run": None if r.run is None else {
                 "final_scale": r.run.final_scale, "min_scale": r.run.min_scale, "max_scale": r.run.max_scale,

@@ -27,9 +27,10 @@ _OPS = ("call_function", "call_method", "call_module")
 
 
 def layer_rows(graphs: Iterable[CapturedGraph], infos: Iterable[ScaleInfo], overflow: Iterable[OverflowDecision],
-               run: Mapping[str, LayerSummary] | None = None) -> tuple[LayerRow, ...]:
+               low_dtype: str, run: Mapping[str, LayerSummary] | None = None) -> tuple[LayerRow, ...]:
     """The map's rows, in the order the layers first compute in the forward (graph by graph);
-    a layer that computes nothing but owns a parameter (predicted for it) comes after. ``run``:
+    a layer that computes nothing but owns a parameter (predicted for it) comes after.
+    ``low_dtype``: the diff's float16 or bfloat16. ``run``:
     a telemetry log's per-layer summary, by the scaler's layer names (module paths)."""
     scale_points: dict[str, list[ScaleInfo]] = {}
     for info in infos:
@@ -50,7 +51,8 @@ def layer_rows(graphs: Iterable[CapturedGraph], infos: Iterable[ScaleInfo], over
                               if _painted(n) == "float32")
             points = scale_points.get(layer, [])
             rows[layer] = LayerRow(
-                layer=layer, module=_module_class(mine), graph=g.index, float16_ops=dtypes["float16"],
+                layer=layer, module=_module_class(mine), graph=g.index, low_dtype=low_dtype,
+                low_ops=dtypes[low_dtype],
                 float32_ops=dtypes["float32"], reason=reasons.most_common(1)[0][0] if reasons else "",
                 overflow=layer in overflowing, weights=layer in g.dynamo.weighted,
                 scale_rows=tuple(sorted({p.row for p in points if p.row is not None})),

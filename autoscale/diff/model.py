@@ -163,8 +163,9 @@ class LayerRow:
     """One layer (module path) of the per-layer map, the first thing every rendering shows: what
     autoscale decided for it and what it expects of its gradients and values.
 
-    ``module``: the module's class name ("" when unknown). ``float16_ops``/``float32_ops``: its
-    forward ops by the dtype the precision pass gave them, ``reason`` why the float32 ones are
+    ``module``: the module's class name ("" when unknown). ``low_ops``/``float32_ops``: its
+    forward ops by the dtype the precision pass gave them (``low_dtype``, the diff's float16 or
+    bfloat16, or float32), ``reason`` why the float32 ones are
     float32 (the most frequent reason; "" when none is) and ``overflow`` whether one of them is kept
     in float32 for forward overflow. ``weights``: whether it owns parameters that take a
     gradient. ``scale_rows``: the rows of the scaler's state its scale
@@ -179,7 +180,8 @@ class LayerRow:
     layer: str
     module: str
     graph: int
-    float16_ops: int
+    low_dtype: str
+    low_ops: int
     float32_ops: int
     reason: str
     overflow: bool
@@ -191,11 +193,12 @@ class LayerRow:
     run: LayerSummary | None = None
 
     @property
-    def precision(self) -> Literal["float16", "float32", "mixed", "none"]:
-        """float16 or float32 when all its ops are, mixed when both occur, none without float ops."""
-        if self.float16_ops and self.float32_ops:
+    def precision(self) -> str:
+        """The low dtype (float16, bfloat16) or float32 when all its ops have it, "mixed" when both
+        occur, "none" without float ops."""
+        if self.low_ops and self.float32_ops:
             return "mixed"
-        return "float16" if self.float16_ops else "float32" if self.float32_ops else "none"
+        return self.low_dtype if self.low_ops else "float32" if self.float32_ops else "none"
 
 
 @dataclass(frozen=True)

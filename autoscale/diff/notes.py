@@ -115,7 +115,8 @@ def summary_details(s: DiffSummary, d: GraphDiff, *, decisions: bool = False) ->
 LAYER_COLUMNS = {
     "layer": "the module path",
     "module": "the module's class",
-    "precision": "the dtype of its forward ops (float16, float32, or mixed: both)",
+    "precision": "the dtype of its forward ops (float16 or bfloat16, float32, or mixed L/F: L low-precision ops, "
+                 "F float32 ones)",
     "scale": "its gradient scale point: the initial scale the analysis seeded, and its row",
     "dW flushed": "the share of its weight-gradient entries float16 flushes to zero without scaling",
     "dY flushed": "the same share for the gradient arriving at its outputs",
@@ -159,7 +160,7 @@ def layer_cells(r: LayerRow) -> dict[str, str]:
             text += " / " + (fmt(meas) if meas is not None else "-")
         return text
 
-    precision = r.precision if r.precision != "mixed" else f"mixed {r.float16_ops}/{r.float32_ops}"
+    precision = r.precision if r.precision != "mixed" else f"mixed {r.low_ops}/{r.float32_ops}"
     scale = "-" if r.scale is None else f"{scale_text(r.scale)} (row {', '.join(map(str, r.scale_rows))})"
     fwd = cell("forward_max", _magnitude)
     run = {}
