@@ -30,8 +30,8 @@ def layer_rows(graphs: Iterable[CapturedGraph], infos: Iterable[ScaleInfo], over
                low_dtype: str, run: Mapping[str, LayerSummary] | None = None) -> tuple[LayerRow, ...]:
     """The map's rows, in the order the layers first compute in the forward (graph by graph);
     a layer that computes nothing but owns a parameter (predicted for it) comes after.
-    ``low_dtype``: the diff's float16 or bfloat16. ``run``:
-    a telemetry log's per-layer summary, by the scaler's layer names (module paths)."""
+    ``low_dtype``: the diff's float16 or bfloat16. ``run``: a telemetry log's per-layer summary, by
+    the scaler's layer names (module paths)."""
     scale_points: dict[str, list[ScaleInfo]] = {}
     for info in infos:
         if info.kind == "scale" and info.row is not None:
@@ -52,8 +52,8 @@ def layer_rows(graphs: Iterable[CapturedGraph], infos: Iterable[ScaleInfo], over
             points = scale_points.get(layer, [])
             rows[layer] = LayerRow(
                 layer=layer, module=_module_class(mine), graph=g.index, low_dtype=low_dtype,
-                low_ops=dtypes[low_dtype],
-                float32_ops=dtypes["float32"], reason=reasons.most_common(1)[0][0] if reasons else "",
+                low_ops=dtypes[low_dtype], float32_ops=dtypes["float32"],
+                reason=reasons.most_common(1)[0][0] if reasons else "",
                 overflow=layer in overflowing, weights=layer in g.dynamo.weighted,
                 scale_rows=tuple(sorted({p.row for p in points if p.row is not None})),
                 scale=max((p.scale for p in points), default=None), predicted=predicted.get(layer),
@@ -88,7 +88,7 @@ def _layer_ops(nodes: Iterable[Node]) -> Mapping[str, list[Node]]:
 
 
 def _painted(n: Node) -> str | None:
-    """The dtype the precision pass gave an op (float16 or float32), None if it decided nothing."""
+    """The dtype the precision pass gave an op (the low dtype or float32), None if it decided nothing."""
     precision = (n.meta.get(PROVENANCE_KEY) or {}).get("precision")
     return str(precision) if precision else None
 
