@@ -164,10 +164,12 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     out, m = scale_and_measure(grad, factor, carried, leaving=unscale, moments=moments, zeros=unscale)
     values: list[torch.Tensor] = []
     cells: list[int] = []
+    modes: list[int] = []
 
     def put(row: int, column: str, value: torch.Tensor) -> None:
         values.append(value)
         cells.append(row * NUM_STATS + STAT[column])
+        modes.append(_COMBINE.get(column, SUM))
 
     bad = m.arrived if m.made is None else torch.maximum(m.arrived, m.made)  # anything non-finite here
     if unscale:  # (what the unscale made is the layer's too)
@@ -178,9 +180,8 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
         blamed.update({row: bad if row in blamed else m.made for row in out_rows})
     for row, flag in blamed.items():
         put(row, "nonfinite", flag)
-    if blamed:  # (and the step's one overflow flag: ``ANY_NONFINITE``)
-        values.append(bad)
-        cells.append(ANY_NONFINITE)
+    if blamed:  # (and the step's one overflow flag: ``ANY_NONFINITE``, row 0's amax cell)
+        put(0, "amax", bad)
     if record_rows:
         # (numel as a SymInt, not float(): that would specialize a dynamic batch size to its first value)
         elements = (torch.full((), grad.numel(), dtype=torch.float32, device=grad.device)
@@ -198,12 +199,8 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
                 put(row, "zeros", m.zeros)
                 put(row, "numel", elements)  # type: ignore[arg-type]
     if values:
-        modes = [_COMBINE.get(_COLUMNS[c % NUM_STATS], SUM) for c in cells]
         stats.copy_(record(stats, values, cells, modes))
     return out
-
-
-_COLUMNS = {index: name for name, index in STAT.items()}
 
 
 def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[int], modes: Sequence[int]

@@ -163,16 +163,6 @@ class ForwardSites:
         self.outputs[slot] = site.output
         return slot
 
-    def alarm(self, peaks: torch.Tensor) -> torch.Tensor:
-        """On the device: whether any slot's peak calls for a look on the host (see the class)."""
-        self.follow(peaks.device)
-        return alarm(peaks, self.alarm_low, self.alarm_high)
-
-    def outputs_nonfinite(self, peaks: torch.Tensor) -> torch.Tensor:
-        """On the device: whether a graph output was non-finite (the forward explains the step)."""
-        self.follow(peaks.device)
-        return outputs_nonfinite(peaks, self.outputs)
-
     def follow(self, device: torch.device) -> None:
         """Keep the per-slot tensors where the peaks are (``model.to(device)`` moves the buffer)."""
         if self.outputs.device != device:

@@ -25,13 +25,13 @@ from autoscale.config import ScalingConfig
 from autoscale.measure import STAT
 from autoscale.ops import SCALE_RANGE
 from autoscale.overflow import alarm, outputs_nonfinite
+from autoscale.runtime import LOSS_ROW
 
 __all__ = ["CompiledUpdate", "UpdateTensors", "adaptive_backoff", "adaptive_update", "dynamic_update", "pow2floor",
            "rule_scales"]
 
 log = logging.getLogger("autoscale")
 
-LOSS_ROW = 0
 _NONFINITE, _AMAX = STAT["nonfinite"], STAT["amax"]
 
 

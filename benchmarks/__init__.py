@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
+
+import torch
 
 NOTES_HEADING = "## What the numbers say"
 
@@ -21,3 +24,8 @@ def write_report(path: Path, text: str) -> None:
     there (``notes_of``) after it."""
     notes = notes_of(path)
     path.write_text(text + ("\n" + notes if notes else ""))
+
+
+def machine_line() -> str:
+    """The machine line of a CPU report: architecture, threads, torch version."""
+    return f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"

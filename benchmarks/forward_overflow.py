@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -46,7 +45,7 @@ import torch._dynamo
 from torch import nn
 
 import autoscale
-from benchmarks import write_report
+from benchmarks import machine_line, write_report
 from benchmarks.overflow_models import T5, Drifting, LogOfZero, drifting_batch, t5_batch
 
 __all__ = ["CASES", "Case", "RunResult", "run"]
@@ -252,7 +251,7 @@ def main() -> None:
                             method, _fmt(r.losses[0]) if r.losses else "-", _fmt(r.losses[-1]) if r.losses else "-",
                             r.skipped, r.recompiles, r.seconds)
                 results.append(r)
-    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    machine = machine_line()
     body = markdown(results, seeds=args.seeds, machine=machine, minutes=(time.perf_counter() - start) / 60)
     write_report(args.output, f"# Forward overflow: float32, torch.amp and autoscale\n\n{__doc__}\n{body}\n")
     print(body)

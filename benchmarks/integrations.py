@@ -53,7 +53,6 @@ import argparse
 import json
 import logging
 import math
-import platform
 import statistics
 import tempfile
 import time
@@ -70,7 +69,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import autoscale
-from benchmarks import write_report
+from benchmarks import machine_line, write_report
 from benchmarks.numerics.tasks import STRESS_DIVISOR, TASKS, Data
 
 log = logging.getLogger("benchmarks.integrations")
@@ -517,8 +516,7 @@ def main() -> None:
             versions[name] = __import__(name).__version__
         except ImportError:
             versions[name] = "missing"
-    machine = (f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-               + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    machine = machine_line() + ", " + ", ".join(f"{k} {v}" for k, v in versions.items())
     body = markdown(runs, machine=machine, minutes=(time.perf_counter() - start) / 60, quick=args.quick,
                     executor=executor)
     if output is not None:

@@ -33,7 +33,6 @@ import copy
 import functools
 import logging
 import math
-import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ from autoscale.layer_numbers import LayerNumbers, measure_layers, predict_layers
 from autoscale.passes import PIPELINE, analyze_underflow, run_stage
 from autoscale.passes.analyze_underflow import calibrate, seed_inputs
 from autoscale.passes.graph_utils import copy_graph_module
-from benchmarks import write_report
+from benchmarks import machine_line, write_report
 
 __all__ = ["MAGNITUDES", "QUANTITIES", "RATES", "Comparison", "Model", "agreement", "compare", "models",
            "spearman"]
@@ -357,7 +356,7 @@ def main() -> None:
         r = compare(available[name], seed=args.seed)
         log.warning("%s: %d layers, %d graphs, %.0f s", name, len(r.measured), r.graphs, r.seconds)
         results.append(r)
-    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    machine = machine_line()
     body = markdown(results, machine=machine, minutes=(time.perf_counter() - start) / 60)
     if output is not None:
         write_report(output, f"# Per-layer predictions against measurement\n\n{__doc__}\n{body}")

@@ -28,7 +28,7 @@ from torch.fx import Interpreter, Node
 import autoscale
 from autoscale import Config, GradScaler, NonFiniteForwardError, OverflowConfig
 from autoscale.ops import FP16_MAX, watch
-from autoscale.overflow import ForwardSites, Site, SiteKind, diagnose
+from autoscale.overflow import ForwardSites, Site, SiteKind, alarm, diagnose, outputs_nonfinite
 from autoscale.passes import PIPELINE, run_stage
 from autoscale.passes.analyze_underflow import clear_caches, forward_moments, seed_inputs
 from autoscale.passes.graph_utils import PROVENANCE_KEY, op_name
@@ -398,12 +398,16 @@ def test_device_flags() -> None:
     for site in (_site("a:op#0", "float16"), _site("b:op#0", "cast"), _site("c:op#0", "float32", output=True)):
         forward.register(site, 0.5)
     peaks = torch.zeros(8)
-    assert not forward.alarm(peaks) and not forward.outputs_nonfinite(peaks)
-    for slot, value, alarm in [(0, 4e4, True), (0, math.inf, True), (1, 4e4, True), (1, 3.4e38, False),
-                               (2, math.inf, False), (2, math.nan, True)]:
+
+    def look() -> torch.Tensor:
+        return alarm(peaks, forward.alarm_low, forward.alarm_high)
+
+    assert not look() and not outputs_nonfinite(peaks, forward.outputs)
+    for slot, value, expected in [(0, 4e4, True), (0, math.inf, True), (1, 4e4, True), (1, 3.4e38, False),
+                                  (2, math.inf, False), (2, math.nan, True)]:
         peaks.zero_()
         peaks[slot] = value
-        assert bool(forward.alarm(peaks)) is alarm, (slot, value)
+        assert bool(look()) is expected, (slot, value)
     peaks.zero_()
     peaks[2] = math.inf
-    assert forward.outputs_nonfinite(peaks)
+    assert outputs_nonfinite(peaks, forward.outputs)

@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from autoscale.config import Config
-from autoscale.diff.capture import CapturedGraph, display_names, node_lines
+from autoscale.diff.capture import CapturedGraph, display_names, input_paths, node_lines
 from autoscale.diff.layers import layer_rows, worst_underflow
 from autoscale.diff.model import (
     DiffSummary,
@@ -247,7 +247,7 @@ def _forward_entries(g: CapturedGraph, infos: Mapping[Node, ScaleInfo]) -> list[
     pairs = _align(before, after, lambda n: n.name, set())
     paired = {b: a for b, a in pairs if b is not None and a is not None}
     back = {a: b for b, a in paired.items()}
-    names_b, names_a = display_names(g.before, g.paths_before), display_names(g.after, g.paths_after)
+    names_b, names_a = display_names(g.before, input_paths(g.before)), display_names(g.after, input_paths(g.after))
     lines_b, lines_a = node_lines(g.before, names_b), node_lines(g.after, names_a)
     erased_by = {e.name: e.pass_name for e in g.dynamo.erased}
     entries = []
@@ -320,8 +320,8 @@ def _backward_entries(g: CapturedGraph, infos: Mapping[Node, ScaleInfo]) -> tupl
     after = list(after_gm.graph.nodes)
     pairs = _align(before, after, key, forced)
     back = {a: b for b, a in pairs if b is not None and a is not None}
-    names_b = display_names(before_gm, g.paths_before, primals=True) if before_gm is not None else {}
-    names_a = display_names(after_gm, g.paths_after, primals=True)
+    names_b = display_names(before_gm, input_paths(g.before), primals=True) if before_gm is not None else {}
+    names_a = display_names(after_gm, input_paths(g.after), primals=True)
     lines_b = node_lines(before_gm, names_b) if before_gm is not None else {}
     lines_a = node_lines(after_gm, names_a)
     sizes: dict[str, int] = defaultdict(int)

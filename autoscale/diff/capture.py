@@ -186,8 +186,6 @@ class CapturedGraph:
     joint: _Observer
     autograd_before: _Autograd | None
     autograd_after: _Autograd | None
-    paths_before: tuple[str | None, ...] = ()
-    paths_after: tuple[str | None, ...] = ()
 
 
 class _Capture:
@@ -222,7 +220,7 @@ class _Capture:
         autograd_before = _autograd(copy_graph_module(before), before_inputs, None)
         autograd_after = _autograd(gm, example_inputs, joint_stage)
         self.graphs.append(CapturedGraph(len(self.graphs), before, gm, records, report, dynamo, joint,
-                                         autograd_before, autograd_after, input_paths(before), input_paths(gm)))
+                                         autograd_before, autograd_after))
         return before.forward
 
 
@@ -253,8 +251,7 @@ def _autograd(gm: GraphModule, example_inputs: Sequence[Any],
 
 def input_paths(gm: GraphModule) -> tuple[str | None, ...]:
     """The module path of each of a Dynamo graph's inputs that is a parameter or buffer
-    (``input_path``), in order. Read when the backend is handed the graph: Dynamo drops the
-    placeholders' sources once the backend returns."""
+    (``input_path``; None for the others), in order."""
     return tuple(input_path(n) for n in gm.graph.find_nodes(op="placeholder"))
 
 

@@ -14,13 +14,10 @@ import dataclasses
 import json
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 
-import torch
-
-from benchmarks import notes_of
+from benchmarks import machine_line, notes_of
 
 from . import report
 from .methods import METHODS
@@ -76,7 +73,7 @@ def main() -> None:
 
     summary = report.summarize(runs)
     out_md = args.out / "numerics.md"
-    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    machine = machine_line()
     args.out.mkdir(parents=True, exist_ok=True)
     text = report.markdown(summary, seeds=seeds, quick=args.quick, machine=machine, minutes=minutes,
                            notes=notes_of(out_md))

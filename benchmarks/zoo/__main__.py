@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import platform
 import time
 from pathlib import Path
 
-import torch
-
-from benchmarks import write_report
+from benchmarks import machine_line, write_report
 from benchmarks.zoo.compare import LOSS_GAP_TARGET, SQNR_SLACK_DB, ZooResult, compare
 from benchmarks.zoo.models import MODELS
 
@@ -119,7 +116,7 @@ def main() -> None:
                     r.gap("autoscale"), r.gap("torch.amp"), r.sqnr.get("autoscale", math.nan),
                     r.sqnr.get("torch.amp", math.nan), r.skipped)
         results.append(r)
-    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    machine = machine_line()
     body = markdown(results, machine=machine, minutes=(time.perf_counter() - start) / 60)
     if output is not None:
         write_report(output, f"# The public model zoo: float32, torch.amp and autoscale\n\n{__doc__}\n{body}")
