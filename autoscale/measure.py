@@ -1,9 +1,17 @@
 """A rescale point's backward: scale the gradient, measure it, and record the measurement.
 
 The statistics tensor has one row per layer and the columns ``STAT`` names. A point computes its
-scaled output and a few scalars (the largest finite magnitude at unit scale, whether a value
-arrived non-finite, whether the scaling made one), and hands them to :func:`record` with the
-cells they go to: ``stats`` comes back with each value folded into its cell, by max or by sum.
+scaled output and *one number* that says all a step needs of it (``Measured.value``: the largest
+magnitude at unit scale, or a mark for a non-finite value that arrived or that the scaling made),
+and hands it to :func:`record` with the cells it goes to and what each cell takes of it (``MODES``):
+``stats`` comes back with each value folded into its cell, by max or by sum.
+
+Why one number: compiled, every recorded scalar is a buffer of its own, which the backward's
+wrapper allocates or aliases in Python at every step, and whose ``omp single`` block in the
+point's kernel ends with a barrier. Recorded as three numbers (largest magnitude, arrived, made)
+by a second reduction and two scalar ops, a transformer block's statistics cost its backward
+~90 µs of wrapper and reductions on this CPU. The flags are derived from the number in the fold
+instead, over all points at once, where they cost one vector op each.
 
 Why one op per point: each point's update of ``stats`` written as tensor ops (a select, a few
 ``where``, a ``select_scatter`` per row) made the statistics the bulk of the compiled backward —
@@ -22,42 +30,90 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["ANY_NONFINITE", "MAX", "NUM_STATS", "STAT", "SUM", "Measured", "fold", "point_backward", "record",
-           "scale_and_measure"]
+__all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM", "Measured",
+           "fold", "point_backward", "record", "scale_and_measure", "taken"]
+
+aten = torch.ops.aten
 
 # Columns of the stats tensor (one row per layer). ``nonfinite`` is a flag (1 when a gradient the
-# row's scale produced was inf/nan), ``amax`` the largest finite magnitude at unit scale; ``sum``,
+# row's scale produced was inf/nan), ``amax`` the largest magnitude at unit scale; ``sum``,
 # ``sumsq`` and ``count`` are recorded for the "paper" rule only, ``zeros`` and ``numel`` of
 # parameter gradients (their zero rate, reported per layer).
 STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5, "numel": 6}
 NUM_STATS = len(STAT)
-MAX, SUM = 0, 1
-"""How a recorded value combines with its cell: ``STAT`` columns other than these two are sums."""
-_COMBINE = {"nonfinite": MAX, "amax": MAX}
 ANY_NONFINITE = STAT["amax"]
 """The cell of row 0 (the loss scale's, which no rule moves and no point measures) that holds
 whether any point saw a non-finite value: ``GradScaler.step`` reads this one value (flat index)."""
 
+# What a cell takes of a recorded value (``MODES``). A point's value (``Measured.value``) is its
+# gradient's largest magnitude at unit scale, +inf or nan when a value arrived non-finite, and -1
+# when the point's scaling made a finite value overflow. The modes read it as:
+MAX = 0  # the value, combined by max (nan kept: the forward's peaks)
+SUM = 1  # the value, summed (counts, moments)
+PEAK = 2  # the largest magnitude: the value where it is one (>= 0 and finite), else 0; max
+ARRIVED = 3  # 1 if a value arrived non-finite (the value is not below inf), else 0; max
+MADE = 4  # 1 if the scaling made one (the value is negative), else 0; max
+BAD = 5  # 1 if either, else 0; max
+
+Call = Callable[..., Any]
+"""How a mode's reading is computed: ``call(aten_op, *args, **kwargs)`` runs the op (``fold``) or
+adds it to a graph (``passes/batch_records.py``), so that both read a value from one definition."""
+
+
+def _peak_ok(call: Call, v: Any) -> Any:
+    """Where ``v`` is a magnitude: 0 <= v < inf."""
+    return call(aten.logical_and.default, call(aten.ge.Scalar, v, 0.0), call(aten.lt.Scalar, v, math.inf))
+
+
+def _flag(call: Call, where: Any) -> Any:
+    """1.0 where ``where`` holds, else 0.0."""
+    return call(torch.ops.prims.convert_element_type.default, where, torch.float32)
+
+
+MODES: dict[int, tuple[str, Callable[[Call, Any], Any]]] = {
+    MAX: ("max", lambda call, v: v),
+    SUM: ("sum", lambda call, v: v),
+    PEAK: ("max", lambda call, v: call(aten.where.ScalarOther, _peak_ok(call, v), v, 0.0)),
+    ARRIVED: ("max", lambda call, v: _flag(call, call(aten.logical_not.default, call(aten.lt.Scalar, v, math.inf)))),
+    MADE: ("max", lambda call, v: _flag(call, call(aten.lt.Scalar, v, 0.0))),
+    BAD: ("max", lambda call, v: _flag(call, call(aten.logical_not.default, _peak_ok(call, v)))),
+}
+"""Per mode: how its cell combines values ("max" or "sum"), and what it takes of a value."""
+
+
+def taken(mode: int, values: torch.Tensor) -> torch.Tensor:
+    """What cells of ``mode`` take of ``values`` (``MODES``), computed eagerly."""
+    out: torch.Tensor = MODES[mode][1](lambda op, *args, **kwargs: op(*args, **kwargs), values)
+    return out
+
 
 class Measured(NamedTuple):
-    """What a rescale point measures of the gradient it rescales, as 0-dim float32 tensors: the
-    largest finite magnitude at unit scale (``amax``), and, when asked for, Σ g and Σ g² at unit
-    scale (``total``, ``squares``) and the count of exact zeros (``zeros``); and the flags, 1.0 or
-    0.0: a value arrived non-finite (``arrived``), the rescale made a finite value non-finite
-    (``made``; None on CPU for a leaving gradient, which is measured on its output: there an
-    overflow the unscale made shows as ``arrived``)."""
+    """What a rescale point measures of the gradient it rescales, as 0-dim float32 tensors.
 
-    amax: torch.Tensor
-    arrived: torch.Tensor
-    made: torch.Tensor | None
+    ``value``: the largest magnitude at unit scale; +inf or nan when a value arrived non-finite
+    (which the point blames on the scale the gradient arrived with); -1 when the rescale made a
+    finite value non-finite (blamed on the point's own scale). For a gradient ``leaving`` the
+    graph, a non-finite value in the output, whatever made it, is +inf. A step with either is
+    skipped, so its largest magnitude is not needed. And, when asked for, Σ g and Σ g² at unit
+    scale (``total``, ``squares``) and the count of exact zeros (``zeros``)."""
+
+    value: torch.Tensor
     total: torch.Tensor | None = None
     squares: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
+
+    @staticmethod
+    def from_counts(fstats: torch.Tensor, counts: torch.Tensor, *, leaving: bool) -> Measured:
+        """From the fused kernel's ``(fstats, counts)`` (``autoscale.kernels.reference``)."""
+        arrived, made = counts[0] > 0, counts[3] > 0
+        made_mark = math.inf if leaving else -1.0
+        value = torch.where(arrived, math.inf, torch.where(made, made_mark, fstats[0]))
+        return Measured(value, fstats[1], fstats[2], counts[2].float())
 
 
 def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
@@ -66,7 +122,8 @@ def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
 
     On CUDA, the fused Triton kernel (imported on first use: ``import autoscale`` stays
     triton-free). Elsewhere, plain torch that Inductor fuses into the kernel of the backward op
-    next to it, computing only what is asked for.
+    next to it, computing only what is asked for: one reduction, ``max |g|``, which carries
+    inf and nan through, and from which the value follows.
 
     Written so that Inductor computes ``out`` in place, over the gradient's own buffer: Inductor
     does so only when the node writing ``out`` is the last to read that buffer. On CPU, writing a
@@ -76,7 +133,7 @@ def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
     a gradient ``leaving`` the graph (a parameter's, unscaled), the statistics are measured on
     ``out`` itself in one pass. Nothing below a leaving gradient reads it, so it is handed back
     unguarded, inf and nan kept, as torch.amp leaves them (CUDA's kernel zeroes them either way);
-    ``arrived`` then flags any non-finite value in it (the unscale itself makes one only where
+    its value then marks any non-finite value in it (the unscale itself makes one only where
     grad's dtype cannot hold g·factor: never for the float32 gradient of float16 values). Other
     gradients come back with the values that are not finite after scaling set to 0, so that the
     rest of the backward does not see them: the point that made or met them blames them.
@@ -85,8 +142,7 @@ def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
         import autoscale.kernels.scale_grad  # noqa: F401  (registers autoscale::scale_grad)
 
         out, fstats, counts = torch.ops.autoscale.scale_grad(grad, factor, carried)
-        flags = (counts > 0).float()
-        return out, Measured(fstats[0], flags[0], flags[3], fstats[1], fstats[2], counts[2].float())
+        return out, Measured.from_counts(fstats, counts, leaving=leaving)
     g = grad.float()
     scaled = g * factor.float()
     if leaving:
@@ -94,28 +150,22 @@ def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
         measured, unit_scale = out.float(), factor.float() * carried.float()  # out at unit scale: out / scale
     else:
         measured, unit_scale = g, carried.float()
-    # (Finiteness as |x| < inf: false for inf and nan alike, two ops where isfinite traces to four,
-    # and it reuses the |x| the maximum needs. Every traced op costs compile time.)
     magnitude = measured.abs()
-    finite = magnitude < math.inf
-    if g.numel():
-        peak = torch.where(finite, magnitude, 0.0).amax()
-        arrived = torch.where(finite, 0.0, 1.0).amax()
-    else:
-        peak = arrived = torch.zeros((), device=g.device)
-    made = None
+    # (max, not amax's nan-skipping kin: a nan anywhere makes the peak nan, an inf makes it inf)
+    peak = magnitude.amax() if g.numel() else torch.zeros((), device=g.device)
+    value = peak / unit_scale
     if not leaving:
         bound = _overflow_threshold(grad.dtype)
-        # a finite value overflows under ``factor`` iff the largest one does
-        made = torch.where(peak * factor.float() < bound, 0.0, 1.0)
-        # (``peak * 0``: reading the maximum makes the reduction an ancestor of ``out``, which
+        # a finite value overflows under ``factor`` iff the largest one does; a non-finite peak
+        # keeps its mark (it arrived so)
+        value = torch.where((peak * factor.float() < bound) | ~(peak < math.inf), value, -1.0)
+        # (``keep``, always 0: reading the peak makes the reduction an ancestor of ``out``, which
         # Inductor then writes in place; see above)
-        out = torch.where(scaled.abs() < bound, scaled, peak * 0.0).to(grad.dtype)
-    unit = torch.where(finite, measured, 0.0) / unit_scale if moments else None
+        keep = torch.where(peak < 0.0, peak, 0.0)
+        out = torch.where(scaled.abs() < bound, scaled, keep).to(grad.dtype)
+    unit = torch.where(magnitude < math.inf, measured, 0.0) / unit_scale if moments else None
     return out, Measured(
-        amax=peak / unit_scale,
-        arrived=arrived,
-        made=made,
+        value=value,
         total=unit.sum() if unit is not None else None,
         squares=(unit * unit).sum() if unit is not None else None,
         zeros=(measured == 0).sum(dtype=torch.int32).float() if zeros else None,
@@ -157,7 +207,8 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     output leaves the graph: whatever is non-finite in it is blamed on the layer's scale (on CPU
     it is measured after the unscale; CUDA's kernel reports apart what the unscale made, which
     only a float16 parameter's gradient can hold). So a gradient leaving through an unscale point
-    is checked, and ``GradScaler.step`` skips the step.
+    is checked, and ``GradScaler.step`` skips the step. All of it is read from the point's one
+    value (``MODES``).
     """
     carried = _max_of(scales, in_rows)
     factor = _max_of(scales, out_rows) / carried
@@ -166,38 +217,36 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     cells: list[int] = []
     modes: list[int] = []
 
-    def put(row: int, column: str, value: torch.Tensor) -> None:
+    def put(row: int, column: str, value: torch.Tensor, mode: int) -> None:
         values.append(value)
         cells.append(row * NUM_STATS + STAT[column])
-        modes.append(_COMBINE.get(column, SUM))
+        modes.append(mode)
 
-    bad = m.arrived if m.made is None else torch.maximum(m.arrived, m.made)  # anything non-finite here
-    if unscale:  # (what the unscale made is the layer's too)
-        blamed = {row: bad for row in in_rows}
+    if unscale:  # (what the unscale made is the layer's too: the value marks it as arrived)
+        blamed = dict.fromkeys(in_rows, ARRIVED)
     else:
-        assert m.made is not None
-        blamed = {row: m.arrived for row in in_rows}
-        blamed.update({row: bad if row in blamed else m.made for row in out_rows})
-    for row, flag in blamed.items():
-        put(row, "nonfinite", flag)
+        blamed = dict.fromkeys(in_rows, ARRIVED)
+        blamed.update({row: BAD if row in blamed else MADE for row in out_rows})
+    for row, mode in blamed.items():
+        put(row, "nonfinite", m.value, mode)
     if blamed:  # (and the step's one overflow flag: ``ANY_NONFINITE``, row 0's amax cell)
-        put(0, "amax", bad)
+        put(0, "amax", m.value, BAD)
     if record_rows:
         # (numel as a SymInt, not float(): that would specialize a dynamic batch size to its first value)
         elements = (torch.full((), grad.numel(), dtype=torch.float32, device=grad.device)
                     if moments or unscale else None)
         for row in record_rows:
             if row != 0:  # (row 0's amax cell is ``ANY_NONFINITE``)
-                put(row, "amax", m.amax)
+                put(row, "amax", m.value, PEAK)
             if moments:
                 assert m.total is not None and m.squares is not None
-                put(row, "sum", m.total)
-                put(row, "sumsq", m.squares)
-                put(row, "count", elements)  # type: ignore[arg-type]
+                put(row, "sum", m.total, SUM)
+                put(row, "sumsq", m.squares, SUM)
+                put(row, "count", elements, SUM)  # type: ignore[arg-type]
             if unscale:
                 assert m.zeros is not None
-                put(row, "zeros", m.zeros)
-                put(row, "numel", elements)  # type: ignore[arg-type]
+                put(row, "zeros", m.zeros, SUM)
+                put(row, "numel", elements, SUM)  # type: ignore[arg-type]
     if values:
         stats.copy_(record(stats, values, cells, modes))
     return out
@@ -205,17 +254,20 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
 
 def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[int], modes: Sequence[int]
          ) -> torch.Tensor:
-    """``stats`` with ``values[j]`` folded into the flat cell ``cells[j]``: by max when
-    ``modes[j] == MAX``, by sum when ``SUM``. The meaning of ``record``; every recorded value is
-    non-negative where it is combined by max (so a cell nothing reaches keeps its value)."""
+    """``stats`` with what ``modes[j]`` takes of ``values[j]`` folded into the flat cell
+    ``cells[j]``, by the mode's combine (``MODES``). The meaning of ``record``; everything a mode
+    combines by max is non-negative (so a cell nothing reaches keeps its value)."""
     flat = stats.reshape(-1).clone()
     if not values:
         return flat.view_as(stats)
     v = torch.stack([x.reshape(()).to(flat.dtype) for x in values])
-    index = torch.tensor(list(cells), device=flat.device)
-    summed = torch.tensor([m == SUM for m in modes], device=flat.device)
-    flat.scatter_reduce_(0, index[~summed], v[~summed], "amax")
-    flat.index_add_(0, index[summed], v[summed])
+    for mode in sorted(set(modes)):
+        chosen = torch.tensor([m == mode for m in modes], device=flat.device)
+        index = torch.tensor(list(cells), device=flat.device)[chosen]
+        if MODES[mode][0] == "sum":
+            flat.index_add_(0, index, taken(mode, v[chosen]))
+        else:
+            flat.scatter_reduce_(0, index, taken(mode, v[chosen]), "amax")
     return flat.view_as(stats)
 
 

@@ -4,13 +4,14 @@ Each rescale point's backward records its measurements with one ``autoscale::rec
 (``autoscale.measure``), and writes the result back into the statistics tensor, a graph input.
 In AOTAutograd's joint graph that is a chain through the tensor — ``record``, ``copy``, ``record``,
 ``copy``, ... — ending in the ``copy_`` into the input. This pass replaces each such chain by one
-fold at its end: the points' values concatenated, gathered per cell with a constant index plan,
-reduced (max or sum, as each cell combines) and written into their cells with one ``index_put``
-per kind. The result is the same as folding point by point: every point's values are computed
-before the end of the chain, each cell is combined one way (its column's: ``autoscale.measure``;
-a chain that mixes them is left alone), and max is associative and commutative, as is a sum of
-counts (integers, exact in float32 below 2^24). Σ g and Σ g² (the "paper" rule's moments) are
-summed in another order, so they may differ in the last bit.
+fold at its end: the points' values concatenated, what each cell's mode takes of them computed
+for the whole vector at once (``autoscale.measure.MODES``: the flags a point's one number marks),
+gathered per cell with a constant index plan, reduced (max or sum, as each cell combines) and
+written into their cells with one ``index_put`` per kind. The result is the same as folding point
+by point: every point's values are computed before the end of the chain, each cell is combined
+one way (its column's; a chain that mixes them is left alone), and max is associative and
+commutative, as is a sum of counts (integers, exact in float32 below 2^24). Σ g and Σ g² (the
+"paper" rule's moments) are summed in another order, so they may differ in the last bit.
 
 Why: folded point by point, each update was a few ops over the whole tensor, which Inductor
 rewrote in full at every point; on a 1+1-layer T5 the statistics were 3,000 of its backward's
@@ -31,7 +32,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
-from autoscale.measure import MAX, SUM
+from autoscale.measure import MODES
 
 from .graph_utils import new_node, provenance
 from .manager import PassResult
@@ -66,7 +67,7 @@ def batch_records(gm: GraphModule, cfg: Config) -> PassResult:
         values = [v for r in records for v in _seq(r.args[1])]
         cells = [int(c) for r in records for c in _seq(r.args[2])]
         modes = [int(m) for r in records for m in _seq(r.args[3])]
-        if len({(c, m) for c, m in zip(cells, modes, strict=True)}) != len(set(cells)):
+        if len({(c, MODES[m][0]) for c, m in zip(cells, modes, strict=True)}) != len(set(cells)):
             continue  # (a cell combined both ways: the order would matter; points never record so)
         with graph.inserting_before(end):
             folded = _Builder(gm, fake_mode, f"_autoscale_records_{chains}").fold(stats, values, cells, modes)
@@ -118,30 +119,44 @@ class _Builder:
         self.constants = 0
 
     def fold(self, stats: Node, values: Sequence[Node], cells: Sequence[int], modes: Sequence[int]) -> Node:
+        """The points' values in one vector (a point's number, and its constants: an element
+        count is known when the graph is compiled), what each mode takes of it side by side
+        (``MODES``), then per combine one gather, one reduction and one ``index_put``."""
         shape = list(stats.meta["val"].shape)
         device = stats.meta["val"].device
         unique = list(dict.fromkeys(values))  # (a point records one value in several cells)
-        position = {v: j for j, v in enumerate(unique)}
-        pieces = [self.call(aten.view.default, (v, [1])) for v in unique]
-        pieces.append(self.call(aten.full.default, ([1], 0.0), {"dtype": torch.float32, "device": device}))
-        vector = self.call(aten.cat.default, (pieces,))  # the values, then a 0 (the padding's)
+        computed = [v for v in unique if _constant(v) is None]
+        constant = [v for v in unique if _constant(v) is not None]
+        order = computed + constant
+        pieces = [self.call(aten.view.default, (v, [1])) for v in computed]
+        # the constants, then a 0 (the padding's: every mode takes 0 of it)
+        pieces.append(self.constant([_constant(v) for v in constant] + [0.0], device, dtype=torch.float32))
+        vector = self.call(aten.cat.default, (pieces,))
+        width = len(order) + 1
+        position = {v: j for j, v in enumerate(order)}
         flat = self.call(aten.view.default, (stats, [-1]))
-        for mode, reduce, combine in ((MAX, aten.amax.default, aten.maximum.default),
-                                      (SUM, aten.sum.dim_IntList, aten.add.Tensor)):
+        for combine in ("max", "sum"):
+            used = sorted({m for m in modes if MODES[m][0] == combine})
+            if not used:
+                continue
+            block = {m: b for b, m in enumerate(used)}
+            taken = [MODES[m][1](lambda op, *args, **kwargs: self.call(op, args, kwargs), vector) for m in used]
+            readings = taken[0] if len(taken) == 1 else self.call(aten.cat.default, (taken,))
             by_cell: dict[int, list[int]] = defaultdict(list)
             for value, cell, m in zip(values, cells, modes, strict=True):
-                if m == mode:
-                    by_cell[cell].append(position[value])
-            if not by_cell:
-                continue
+                if m in block:
+                    by_cell[cell].append(block[m] * width + position[value])
             targets = sorted(by_cell)
-            width = max(len(js) for js in by_cell.values())
-            plan = [by_cell[c] + [len(unique)] * (width - len(by_cell[c])) for c in targets]
+            most = max(len(js) for js in by_cell.values())
+            plan = [by_cell[c] + [len(order)] * (most - len(by_cell[c])) for c in targets]
             where = self.constant(targets, device)
-            gathered = self.call(aten.index.Tensor, (vector, [self.constant(plan, device)]))
-            reduced = self.call(reduce, (gathered, [1]))
+            gathered = self.call(aten.index.Tensor, (readings, [self.constant(plan, device)]))
+            if combine == "max":
+                reduced, joined = self.call(aten.amax.default, (gathered, [1])), aten.maximum.default
+            else:
+                reduced, joined = self.call(aten.sum.dim_IntList, (gathered, [1])), aten.add.Tensor
             current = self.call(aten.index.Tensor, (flat, [where]))
-            flat = self.call(aten.index_put.default, (flat, [where], self.call(combine, (current, reduced))))
+            flat = self.call(aten.index_put.default, (flat, [where], self.call(joined, (current, reduced))))
         return self.call(aten.view.default, (flat, shape))
 
     def call(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Node:
@@ -151,10 +166,10 @@ class _Builder:
         provenance(node, PASS, "fold the statistics the graph's rescale points record", created=True)
         return node
 
-    def constant(self, values: list[Any], device: torch.device) -> Node:
+    def constant(self, values: list[Any], device: torch.device, dtype: torch.dtype | None = None) -> Node:
         """A get_attr of ``torch.tensor(values)``, a real tensor (the pass may run under the fake mode)."""
         with unset_fake_temporarily():
-            tensor = torch.tensor(values, device=device)
+            tensor = torch.tensor(values, device=device, dtype=dtype)
         name = f"{self.prefix}_{self.constants}"
         self.constants += 1
         setattr(self.gm, name, tensor)
@@ -163,6 +178,14 @@ class _Builder:
         provenance(attr, PASS, "the fold's index plan", created=True)
         # (as traced code reads a constant: FakeTensorProp takes a real tensor only through lift_fresh_copy)
         return self.call(aten.lift_fresh_copy.default, (attr,))
+
+
+def _constant(value: Node) -> float | None:
+    """The number a recorded value always is, if the graph says so: a ``full`` of a constant (a
+    parameter's element count; a count that depends on a dynamic size is a symbol, not a number)."""
+    if value.target is aten.full.default and isinstance(value.args[1], (int, float)):
+        return float(value.args[1])
+    return None
 
 
 def _vals(args: Any) -> Any:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import autoscale.measure
 from autoscale.kernels.reference import scale_grad_reference
 from autoscale.kernels.scale_grad import BLOCK, scale_grad_triton
-from autoscale.measure import NUM_STATS, STAT, Measured, scale_and_measure
+from autoscale.measure import ARRIVED, BAD, MADE, NUM_STATS, PEAK, STAT, Measured, scale_and_measure, taken
 from autoscale.ops import rescale
 
 SPECIAL = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 6.1e-5, 65504.0, -65504.0, 65519.0, 1e-3,
@@ -71,8 +71,8 @@ def test_kernel_matches_reference(size: int, data: st.DataObject, dtype: torch.d
        carried=st.sampled_from([1.0, 2.0**15, 2.0**-3]))
 def test_cpu_path_measures_what_the_reference_counts(size: int, data: st.DataObject, dtype: torch.dtype,
                                                      factor: float, carried: float) -> None:
-    """The lean CPU path derives its flags from the finite maximum instead of counting: the same
-    answers as the oracle's counts, and the same output and statistics."""
+    """The lean CPU path measures one maximum instead of counting: its value reads as the oracle's
+    counts and maximum do (every mode takes the same of both), with the same output and statistics."""
     fill = data.draw(st.lists(values, min_size=min(size, 64), max_size=min(size, 64)))
     base = torch.tensor(fill or [0.0], dtype=torch.float32)
     grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
@@ -80,12 +80,18 @@ def test_cpu_path_measures_what_the_reference_counts(size: int, data: st.DataObj
     out, m = scale_and_measure(grad, f, c, moments=True, zeros=True)
     ref_out, fstats, counts = scale_grad_reference(grad, f, c)
     assert torch.equal(out, ref_out)
-    assert m.total is not None and m.squares is not None and m.zeros is not None and m.made is not None
-    assert [m.amax.item(), m.total.item(), m.squares.item()] == fstats.tolist()
-    assert (bool(m.arrived), bool(m.made), int(m.zeros)) == (counts[0] > 0, counts[3] > 0, int(counts[2]))
+    assert m.total is not None and m.squares is not None and m.zeros is not None
+    assert [m.total.item(), m.squares.item(), m.zeros.item()] == [*fstats[1:].tolist(), counts[2].item()]
+    _reads_alike(m.value, Measured.from_counts(fstats, counts, leaving=False).value)
     lean = scale_and_measure(grad, f, c)[1]  # (what a point records by default: the same, and no more)
     assert lean.total is None and lean.squares is None and lean.zeros is None
-    assert (lean.amax.item(), lean.arrived.item(), lean.made.item()) == (m.amax.item(), m.arrived.item(), m.made.item())
+    assert torch.equal(lean.value, m.value) or (lean.value.isnan() and m.value.isnan())
+
+
+def _reads_alike(value: torch.Tensor, expected: torch.Tensor) -> None:
+    """Every mode takes the same of both values (nan and inf both read as 'arrived non-finite')."""
+    for mode in (PEAK, ARRIVED, MADE, BAD):
+        assert taken(mode, value).item() == taken(mode, expected).item(), mode
 
 
 @KERNEL_PROPERTIES
@@ -105,12 +111,13 @@ def test_cpu_path_for_a_leaving_gradient_measures_its_output(size: int, data: st
     torch.testing.assert_close(out, (grad.float() * f).to(dtype), rtol=0, atol=0, equal_nan=True)  # exactly
     _, fstats, counts = scale_grad_reference(out, torch.tensor(1.0), f * c)
     assert m.total is not None and m.squares is not None and m.zeros is not None
-    assert [m.amax.item(), m.total.item(), m.squares.item()] == fstats.tolist()
-    assert (bool(m.arrived), m.made, int(m.zeros)) == (counts[0] > 0, None, int(counts[2]))
+    assert [m.total.item(), m.squares.item(), m.zeros.item()] == [*fstats[1:].tolist(), counts[2].item()]
+    _reads_alike(m.value, Measured.from_counts(fstats, counts, leaving=True).value)
+    assert taken(MADE, m.value).item() == 0.0  # (a leaving gradient's non-finite values all read as arrived)
     if dtype == torch.float32:
         _, fstats_in, counts_in = scale_grad_reference(grad, f, c)
-        assert m.amax.item() == fstats_in[0].item() and int(m.zeros) == int(counts_in[2])
-        assert bool(m.arrived) == (counts_in[0] > 0)
+        _reads_alike(m.value, Measured.from_counts(fstats_in, counts_in, leaving=True).value)
+        assert int(m.zeros) == int(counts_in[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -173,8 +180,7 @@ def test_rescale_blames_non_finite_values_on_the_scale_that_made_them(monkeypatc
     def like_cuda(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
                   moments: bool = False, zeros: bool = False) -> tuple[torch.Tensor, Measured]:
         out, fstats, counts = scale_grad_reference(grad, factor, carried)
-        flags = (counts > 0).float()
-        return out, Measured(fstats[0], flags[0], flags[3], fstats[1], fstats[2], counts[2].float())
+        return out, Measured.from_counts(fstats, counts, leaving=leaving)
     monkeypatch.setattr(autoscale.measure, "scale_and_measure", like_cuda)
     out, stats = _through_rescale(torch.tensor([1.0, 40000.0], dtype=torch.float16), [1.0, 0.5], (0,), (1,),
                                   unscale=True)

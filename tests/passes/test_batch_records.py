@@ -7,6 +7,8 @@ modes; and end to end, a compiled model's statistics with and without the pass.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -16,7 +18,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoscale
-from autoscale.measure import MAX, NUM_STATS, STAT, SUM, fold, record
+from autoscale.measure import ARRIVED, BAD, MADE, MAX, NUM_STATS, PEAK, STAT, SUM, fold, record
 from autoscale.passes import PIPELINE, PassSpec, batch_records, run_stage
 from tests.models import mlp_case
 
@@ -26,13 +28,20 @@ ROWS = 5
 MAXED = {STAT["nonfinite"], STAT["amax"]}
 
 
-def _point(cells_values: list[tuple[int, float]]) -> list[tuple[int, int, float]]:
-    """(cell, mode, value) with each cell's mode its column's, as the points record them; summed
-    values are counts (whole numbers: their sum is exact in any order, as the pass claims)."""
-    return [(c, MAX, v) if c % NUM_STATS in MAXED else (c, SUM, float(round(v))) for c, v in cells_values]
+def _point(cells_values: list[tuple[int, float, int]]) -> list[tuple[int, int, float]]:
+    """(cell, mode, value) with each cell combined as its column is, as the points record them:
+    a flag column by any of the modes that take a maximum of a point's number (marks included:
+    -1 for made, inf for arrived), a summed one by SUM, of counts (whole numbers: their sum is
+    exact in any order, as the pass claims)."""
+    def count(v: float) -> float:
+        return float(round(abs(v))) if v < math.inf else 1.0
+
+    return [(c, mode, v) if c % NUM_STATS in MAXED else (c, SUM, count(v)) for c, v, mode in cells_values]
 
 
-points = st.lists(st.lists(st.tuples(st.integers(0, ROWS * NUM_STATS - 1), st.floats(0, 1e6, width=32)),
+points = st.lists(st.lists(st.tuples(st.integers(0, ROWS * NUM_STATS - 1),
+                                     st.floats(0, 1e6, width=32) | st.sampled_from([-1.0, math.inf]),
+                                     st.sampled_from([MAX, PEAK, ARRIVED, MADE, BAD])),
                            min_size=1, max_size=6).map(_point), min_size=1, max_size=8)
 
 
