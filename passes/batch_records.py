@@ -47,6 +47,8 @@ _RECORD = torch.ops.autoscale.record.default
 _COPY = torch.ops.aten.copy.default
 _COPY_ = torch.ops.aten.copy_.default
 aten = torch.ops.aten
+_COMBINES = {"max": (aten.amax.default, aten.maximum.default), "sum": (aten.sum.dim_IntList, aten.add.Tensor)}
+"""Per way a cell combines (``MODES``): the reduction over a cell's values, and how it joins the cell."""
 
 
 def batch_records(gm: GraphModule, cfg: Config) -> PassResult:
@@ -135,7 +137,7 @@ class _Builder:
         width = len(order) + 1
         position = {v: j for j, v in enumerate(order)}
         flat = self.call(aten.view.default, (stats, [-1]))
-        for combine in ("max", "sum"):
+        for combine, (reduce, joined) in _COMBINES.items():
             used = sorted({m for m in modes if MODES[m][0] == combine})
             if not used:
                 continue
@@ -151,10 +153,7 @@ class _Builder:
             plan = [by_cell[c] + [len(order)] * (most - len(by_cell[c])) for c in targets]
             where = self.constant(targets, device)
             gathered = self.call(aten.index.Tensor, (readings, [self.constant(plan, device)]))
-            if combine == "max":
-                reduced, joined = self.call(aten.amax.default, (gathered, [1])), aten.maximum.default
-            else:
-                reduced, joined = self.call(aten.sum.dim_IntList, (gathered, [1])), aten.add.Tensor
+            reduced = self.call(reduce, (gathered, [1]))
             current = self.call(aten.index.Tensor, (flat, [where]))
             flat = self.call(aten.index_put.default, (flat, [where], self.call(joined, (current, reduced))))
         return self.call(aten.view.default, (flat, shape))
