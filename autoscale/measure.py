@@ -153,7 +153,7 @@ def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
     else:
         measured, unit_scale = g, carried.float()
     magnitude = measured.abs()
-    # (max, not amax's nan-skipping kin: a nan anywhere makes the peak nan, an inf makes it inf)
+    # (amax carries them through: a nan anywhere makes the peak nan, an inf makes it inf)
     peak = magnitude.amax() if g.numel() else torch.zeros((), device=g.device)
     value = peak / unit_scale
     if not leaving:
@@ -224,10 +224,9 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
         cells.append(row * NUM_STATS + STAT[column])
         modes.append(mode)
 
-    if unscale:  # (what the unscale made is the layer's too: the value marks it as arrived)
-        blamed = dict.fromkeys(in_rows, ARRIVED)
-    else:
-        blamed = dict.fromkeys(in_rows, ARRIVED)
+    # (an unscale point's rows are its in_rows only: what the unscale made, its value marks as arrived)
+    blamed = dict.fromkeys(in_rows, ARRIVED)
+    if not unscale:
         blamed.update({row: BAD if row in blamed else MADE for row in out_rows})
     for row, mode in blamed.items():
         put(row, "nonfinite", m.value, mode)
@@ -263,13 +262,13 @@ def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[in
     if not values:
         return flat.view_as(stats)
     v = torch.stack([x.reshape(()).to(flat.dtype) for x in values])
+    index = torch.tensor(list(cells), device=flat.device)
     for mode in sorted(set(modes)):
         chosen = torch.tensor([m == mode for m in modes], device=flat.device)
-        index = torch.tensor(list(cells), device=flat.device)[chosen]
         if MODES[mode][0] == "sum":
-            flat.index_add_(0, index, taken(mode, v[chosen]))
+            flat.index_add_(0, index[chosen], taken(mode, v[chosen]))
         else:
-            flat.scatter_reduce_(0, index, taken(mode, v[chosen]), "amax")
+            flat.scatter_reduce_(0, index[chosen], taken(mode, v[chosen]), "amax")
     return flat.view_as(stats)
 
 

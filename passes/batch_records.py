@@ -127,12 +127,13 @@ class _Builder:
         shape = list(stats.meta["val"].shape)
         device = stats.meta["val"].device
         unique = list(dict.fromkeys(values))  # (a point records one value in several cells)
-        computed = [v for v in unique if _constant(v) is None]
-        constant = [v for v in unique if _constant(v) is not None]
+        known = {v: _constant(v) for v in unique}
+        computed = [v for v in unique if known[v] is None]
+        constant = [v for v in unique if known[v] is not None]
         order = computed + constant
         pieces = [self.call(aten.view.default, (v, [1])) for v in computed]
         # the constants, then a 0 (the padding's: every mode takes 0 of it)
-        pieces.append(self.constant([_constant(v) for v in constant] + [0.0], device, dtype=torch.float32))
+        pieces.append(self.constant([known[v] for v in constant] + [0.0], device, dtype=torch.float32))
         vector = self.call(aten.cat.default, (pieces,))
         width = len(order) + 1
         position = {v: j for j, v in enumerate(order)}
