@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM", "Measured",
-           "fold", "point_backward", "record", "scale_and_measure", "taken"]
+           "fold", "point_backward", "record", "row_scales", "scale_and_measure", "taken"]
 
 aten = torch.ops.aten
 
@@ -186,12 +186,45 @@ def _overflow_threshold(dtype: torch.dtype) -> float:
     return float(info.max) + step / 2
 
 
-def _max_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+def _row_scales(scales: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's scale as a 0-dim tensor of its own (``torch.ops.autoscale.row_scales``): what a
+    point reads its scales from.
+
+    Why not ``scales[row]``: Inductor writes a select's index into the kernel's source as a
+    constant, so the points of two identical layers (rows 7 and 10, rows 21 and 24) compiled to
+    two kernels that differ in one number: a model compiled one set of point kernels per layer (a
+    3+3-layer T5: 116 C++ kernels, where Inductor without scaling compiles a repeated layer's once,
+    35). Read from a buffer of its own, a scale is a kernel argument, and identical layers share
+    their kernels (67). As an op of its own it stays one call (Inductor would inline
+    ``unbind_copy``'s decomposition back into selects); every point calls it on the same tensor,
+    and AOTAutograd's common-subexpression pass leaves one call per backward. Defined through
+    ``torch.library.Library`` rather than ``custom_op``, whose Python wrapper doubled the call's
+    cost (~10 µs), paid at every step: the copies are ``unbind_copy``'s, one storage each, as the
+    schema promises.
+    """
+    return torch.ops.aten.unbind_copy.int(scales)
+
+
+_LIBRARY = torch.library.Library("autoscale", "FRAGMENT")
+_LIBRARY.define("row_scales(Tensor scales) -> Tensor[]")
+_LIBRARY.impl("row_scales", _row_scales, "CompositeExplicitAutograd")
+
+
+def _row_scales_fake(scales: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.empty((), dtype=scales.dtype, device=scales.device) for _ in range(scales.shape[0])]
+
+
+torch.library.register_fake("autoscale::row_scales", _row_scales_fake, lib=_LIBRARY)
+
+
+row_scales = torch.ops.autoscale.row_scales.default
+
+
+def _max_of(each: Sequence[torch.Tensor], rows: tuple[int, ...]) -> torch.Tensor:
+    """The largest of the scales of ``rows`` (1 for none), from ``row_scales``."""
     if not rows:
-        return torch.ones((), dtype=scales.dtype, device=scales.device)
-    if len(rows) == 1:  # (the usual case: one select, where an index and a reduction trace to four ops)
-        return scales[rows[0]]
-    return scales[list(rows)].amax()
+        return torch.ones((), dtype=each[0].dtype, device=each[0].device)
+    return functools.reduce(torch.maximum, (each[row] for row in rows))
 
 
 def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
@@ -212,8 +245,9 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     is checked, and ``GradScaler.step`` skips the step. All of it is read from the point's one
     value (``MODES``).
     """
-    carried = _max_of(scales, in_rows)
-    factor = _max_of(scales, out_rows) / carried
+    each = row_scales(scales)
+    carried = _max_of(each, in_rows)
+    factor = _max_of(each, out_rows) / carried
     out, m = scale_and_measure(grad, factor, carried, leaving=unscale, moments=moments, zeros=unscale)
     values: list[torch.Tensor] = []
     cells: list[int] = []

@@ -105,10 +105,14 @@ def watch(x: torch.Tensor, peaks: torch.Tensor, slot: int) -> None:
     is fused by Inductor into the kernel that produces ``x``; the slot is written through
     ``autoscale.measure.record``, which ``passes/batch_records.py`` folds with the graph's other
     checks into one update of ``peaks`` at the end of the forward.
+
+    In float32 from the start (``abs`` and ``max`` are exact in both): Inductor, emulating float16
+    casts, rounds each float16 op's result back to float16, and ``abs().amax()`` on the float16
+    value cost two conversions more per element in the kernel of every watched value.
     """
     if x.numel() == 0:
         return
-    peak = x.detach().abs().amax().float()
+    peak = x.detach().float().abs().amax()
     peaks.copy_(record(peaks, [peak], [slot], [MAX]))
 
 

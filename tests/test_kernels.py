@@ -153,6 +153,16 @@ def test_op_has_fake_impl_and_reference_cpu_path() -> None:
     assert fake_out.shape == g.shape and fake_counts.dtype == torch.int64 and fake_fstats.shape == (3,)
 
 
+def test_row_scales_hands_each_row_in_a_storage_of_its_own() -> None:
+    """``autoscale::row_scales`` (what a point reads its scales from): each row's value, in its own
+    storage as its schema promises (no output aliases the input or another), and a fake impl."""
+    scales = torch.tensor([1.0, 2.0**15, 0.5])
+    rows = autoscale.measure.row_scales(scales)
+    assert [r.item() for r in rows] == scales.tolist() and all(r.dim() == 0 for r in rows)
+    assert len({r.untyped_storage().data_ptr() for r in rows} | {scales.untyped_storage().data_ptr()}) == 4
+    torch.library.opcheck(torch.ops.autoscale.row_scales.default, (scales,))
+
+
 def _through_rescale(grad: torch.Tensor, scales: list[float], out_rows: tuple[int, ...], in_rows: tuple[int, ...],
                      *, unscale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``grad`` back through one eager rescale point: (the gradient it hands on, the stats it wrote)."""

@@ -128,9 +128,12 @@ _JS = """
     var table = el("table", "graph");
     table.innerHTML = '<colgroup><col style="width:50%"><col style="width:50%"></colgroup>' +
       "<thead><tr><th>before</th><th>after</th></tr></thead>";
-    var body = el("tbody"), part = null, groups = {};
+    var body = el("tbody"), part = null, groups = {}, last = {};
     table.appendChild(body);
-    group.nodes.forEach(function (n) {
+    // (a point's group stands at its last node, where its output is made: the scalars it computes
+    // from the scales alone may be scheduled anywhere before)
+    group.nodes.forEach(function (n, i) { if (n[7] != null) last[n[1] + ":" + n[7]] = i; });
+    group.nodes.forEach(function (n, i) {
       var where = n[0] + " " + n[1];
       if (where !== part) {
         part = where;
@@ -153,10 +156,12 @@ _JS = """
         label.appendChild(box);
         label.appendChild(document.createTextNode(" show its " + info.size + " ATen nodes"));
         cell.appendChild(label); head.appendChild(cell); members.appendChild(head);
+      }
+      members.appendChild(row(n, true));
+      if (last[key] === i) {
         table.appendChild(members);
         body = el("tbody"); table.appendChild(body);
       }
-      members.appendChild(row(n, true));
     });
     return table;
   }

@@ -48,7 +48,9 @@ def render_text(d: GraphDiff, *, color: bool, backward_only: bool, expand: bool,
         for graph in section.graphs():
             entries = [e for e in section.entries if e.graph == graph]
             out.append(paint("@", _hunk_header(section.name, graph, entries)))
-            shown: set[str] = set()
+            # (a point's group stands at its last node, where its output is made: the scalars it
+            # computes from the scales alone may be scheduled anywhere before)
+            last = {e.scale_op: i for i, e in enumerate(entries) if e.scale_op is not None}
             for i, e in enumerate(entries):
                 if e.kind == "stats" and not expand:  # (the statistics fold: one line)
                     if i == 0 or entries[i - 1].kind != "stats":
@@ -57,8 +59,7 @@ def render_text(d: GraphDiff, *, color: bool, backward_only: bool, expand: bool,
                                                 "measurements, folded into the scaler's statistics at once"))
                     continue
                 if e.scale_op is not None and not expand:
-                    if e.scale_op not in shown:
-                        shown.add(e.scale_op)
+                    if last[e.scale_op] == i:
                         info = infos[(graph, e.scale_op)]
                         out.append(paint("scale", f"+ [{e.scale_op} backward: {info.backward_nodes} ATen nodes] "
                                                   f"{scale_note(info)}"))
