@@ -200,7 +200,7 @@ def _row_scales(scales: torch.Tensor) -> list[torch.Tensor]:
     and AOTAutograd's common-subexpression pass leaves one call per backward. Defined through
     ``torch.library.Library`` rather than ``custom_op``, whose Python wrapper doubled the call's
     cost (~10 µs), paid at every step: the copies are ``unbind_copy``'s, one storage each, as the
-    schema promises.
+    schema promises. Run eagerly, points select their rows instead (``_rows_of``).
     """
     return torch.ops.aten.unbind_copy.int(scales)
 
@@ -220,8 +220,15 @@ torch.library.register_fake("autoscale::row_scales", _row_scales_fake, lib=_LIBR
 row_scales = torch.ops.autoscale.row_scales.default
 
 
-def _max_of(each: Sequence[torch.Tensor], rows: tuple[int, ...]) -> torch.Tensor:
-    """The largest of the scales of ``rows`` (1 for none), from ``row_scales``."""
+def _rows_of(scales: torch.Tensor) -> Sequence[torch.Tensor] | torch.Tensor:
+    """What a point reads its rows' scales from: when traced for a compiled graph, ``row_scales``'
+    buffers (see there); run eagerly (``autoscale.convert``), ``scales`` itself, where a row is a
+    free select and ``row_scales`` would copy every row at every point."""
+    return row_scales(scales) if torch.compiler.is_compiling() else scales
+
+
+def _max_of(each: Sequence[torch.Tensor] | torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """The largest of the scales of ``rows`` (1 for none), from ``_rows_of``."""
     if not rows:
         return torch.ones((), dtype=each[0].dtype, device=each[0].device)
     return functools.reduce(torch.maximum, (each[row] for row in rows))
@@ -245,7 +252,7 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     is checked, and ``GradScaler.step`` skips the step. All of it is read from the point's one
     value (``MODES``).
     """
-    each = row_scales(scales)
+    each = _rows_of(scales)
     carried = _max_of(each, in_rows)
     factor = _max_of(each, out_rows) / carried
     out, m = scale_and_measure(grad, factor, carried, leaving=unscale, moments=moments, zeros=unscale)
