@@ -107,7 +107,9 @@ Methods: "Inductor" is ``torch.compile(model)`` in float32; "autoscale, no scale
 ``backend="autoscale"`` without a GradScaler (the precision pass and, on CPU, emulated float16:
 no scale points, no overflow checks); "autoscale" is the default with ``autoscale.GradScaler``
 (also compiling the scaler's update). On CPU the emulation's casts are part of autoscale's graph;
-torch.amp's autocast on CPU would compile no casts but run native float16 GEMMs (~100x slower)."""
+torch.amp's autocast on CPU would compile no casts but run native float16 GEMMs (~100x slower).
+"C++ kernels" counts the compiled kernels each method left in its cache (Inductor compiles a
+kernel once per distinct source: a repeated layer's kernels are compiled once)."""
 
 E2E_MODELS = ("T5 1+1", "T5 3+3", "MLP (overhead --quick)", "transformer block (overhead --quick)")
 E2E_METHODS = ("Inductor", "autoscale, no scaler", "autoscale")
@@ -152,7 +154,7 @@ def _e2e_child(name: str, method: str) -> dict[str, float]:
 
 def end_to_end() -> str:
     lines = ["| model | " + " | ".join(E2E_METHODS) + " | autoscale / Inductor | autoscale / no scaler | "
-             "first update() |", "|---" * (len(E2E_METHODS) + 4) + "|"]
+             "first update() | C++ kernels (" + " / ".join(E2E_METHODS) + ") |", "|---" * (len(E2E_METHODS) + 5) + "|"]
     for name in E2E_MODELS:
         times: dict[str, dict[str, float]] = {}
         for method in E2E_METHODS:
@@ -161,11 +163,13 @@ def end_to_end() -> str:
                 done = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--child", name, method],
                                       env=env, capture_output=True, text=True, check=True)
                 times[method] = json.loads(done.stdout.strip().splitlines()[-1])
+                times[method]["kernels"] = sum(1 for _ in Path(cache).rglob("*.so"))
             print(name, method, times[method], flush=True)
         t = {m: times[m]["seconds"] for m in E2E_METHODS}
         lines.append(f"| {name} | " + " | ".join(f"{t[m]:.1f} s" for m in E2E_METHODS)
                      + f" | {t['autoscale'] / t['Inductor']:.2f} | {t['autoscale'] / t['autoscale, no scaler']:.2f} "
-                     f"| {times['autoscale']['update']:.1f} s |")
+                     f"| {times['autoscale']['update']:.1f} s | "
+                     + " / ".join(str(times[m]["kernels"]) for m in E2E_METHODS) + " |")
     return (f"# Compile time, end to end\n\n{END_TO_END}\n\nMachine: {torch.get_num_threads()} threads, torch "
             f"{torch.__version__}.\n\n" + "\n".join(lines) + "\n")
 
