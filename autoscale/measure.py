@@ -194,7 +194,7 @@ def _row_scales(scales: torch.Tensor) -> list[torch.Tensor]:
     constant, so the points of two identical layers (rows 7 and 10, rows 21 and 24) compiled to
     two kernels that differ in one number: a model compiled one set of point kernels per layer (a
     3+3-layer T5: 116 C++ kernels, where Inductor without scaling compiles a repeated layer's once,
-    35). Read from a buffer of its own, a scale is a kernel argument, and identical layers share
+    40). Read from a buffer of its own, a scale is a kernel argument, and identical layers share
     their kernels (67). As an op of its own it stays one call (Inductor would inline
     ``unbind_copy``'s decomposition back into selects); every point calls it on the same tensor,
     and AOTAutograd's common-subexpression pass leaves one call per backward. Defined through
