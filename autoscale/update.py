@@ -171,7 +171,13 @@ class CompiledUpdate:
     and compiled with Inductor's ``compile_fx``, once per ``variant`` (a key the caller gives for
     the constants and for what a tensor argument is: None or not, its device), and called
     directly: through ``torch.compile``, Dynamo's frame evaluation and guards on a dozen tensors
-    cost ~180 µs a call on this CPU, ten times the kernel; called directly, ~15 µs.
+    cost ~180 µs a call on this CPU, ten times the kernel. What ``compile_fx`` returns is still
+    four wrappers deep (Dynamo's disable, AOTAutograd's forward and runtime wrapper, the output
+    code), and right after a backward, with the caches cold, those layers cost half the call
+    (47 µs against 33 µs on the quick MLP of ``benchmarks.overhead``). The graph mutates its
+    inputs and returns nothing, which an inference graph keeps in itself, so the output code that
+    Inductor compiled (caught on its way out of ``compile_fx_inner``) is called directly, with the
+    boxed calling convention (a list of the tensors), when there is exactly one.
 
     The first call of each variant is checked: ``fn`` runs eagerly on copies of the tensors, and
     the compiled results must equal it bit for bit (nan where nan), or the eager results are kept
@@ -203,13 +209,22 @@ class CompiledUpdate:
 
     def _first_call(self, tensors: Sequence[torch.Tensor | None], present: list[torch.Tensor], variant: Hashable,
                     constants: dict[str, Any]) -> None:
-        from torch._inductor.compile_fx import compile_fx  # (Inductor: only when compiling)
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # (Inductor: only when compiling)
         from torch.fx.experimental.proxy_tensor import make_fx
 
         def flat(*traced: torch.Tensor) -> None:
             self._fn(*_refill(tensors, traced), **constants)
 
-        compiled: Callable[..., Any] = compile_fx(make_fx(flat, tracing_mode="fake")(*present), present)  # type: ignore[assignment]
+        inner: list[Callable[[list[torch.Tensor]], Any]] = []
+
+        def catch_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+            code = compile_fx_inner(gm, example_inputs, **kwargs)
+            inner.append(code)
+            return code
+
+        wrapped: Callable[..., Any] = compile_fx(make_fx(flat, tracing_mode="fake")(*present), present,  # type: ignore[assignment]
+                                                 inner_compile=catch_inner)
+        compiled = _boxed(inner[0]) if len(inner) == 1 else wrapped
         expected = [t.clone() for t in present]
         self._fn(*_refill(tensors, expected), **constants)
         compiled(*present)
@@ -223,6 +238,14 @@ class CompiledUpdate:
     def _fall_back(self, why: str) -> None:
         self._failed = True
         log.warning("the compiled scale update is not used (%s); updating eagerly", why)
+
+
+def _boxed(code: Callable[[list[torch.Tensor]], Any]) -> Callable[..., Any]:
+    """``code`` (Inductor's output code, which takes its inputs as one list and clears it) called
+    with the tensors as arguments."""
+    def call(*tensors: torch.Tensor) -> None:
+        code(list(tensors))
+    return call
 
 
 def _refill(tensors: Sequence[torch.Tensor | None], present: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:

@@ -50,28 +50,37 @@ def test_compiled_update_equals_the_eager_function(amax: list[float], flags: lis
     CompiledUpdate(adaptive_update)((*eager, None), variant=due, compile=False, due=due, **CONSTANTS)
     COMPILED((*compiled, None), variant=due, compile=True, due=due, **CONSTANTS)
     assert not COMPILED._failed
+    assert COMPILED._variants[due].__qualname__.startswith("_boxed")  # (Inductor's output code, called directly)
     for name, a, b in zip(UpdateTensors._fields, compiled, eager, strict=True):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
 
 
-def test_a_compiled_variant_that_disagrees_is_dropped(monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("layer", ["compile_fx", "compile_fx_inner"])
+def test_a_compiled_variant_that_disagrees_is_dropped(layer: str, monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     """If Inductor compiled the update wrongly (seen once while writing it), the first call's check
-    keeps the eager results, warns, and every later call runs eagerly."""
+    keeps the eager results, warns, and every later call runs eagerly: whether the wrong code is
+    what ``compile_fx`` returns (called when no single output code was caught) or the output code
+    that ``compile_fx_inner`` made (called directly)."""
     import torch._inductor.compile_fx as compile_fx
 
-    def miscompiled(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
-        def run(*tensors: torch.Tensor) -> None:
-            tensors[0].add_(1.0)  # scales: wrong
-        return run
+    def wrong(args: list[torch.Tensor]) -> None:
+        args[0].add_(1.0)  # scales: wrong
+        args.clear()
 
-    monkeypatch.setattr(compile_fx, "compile_fx", miscompiled)
+    def miscompiled_fx(gm: torch.fx.GraphModule, inputs: list[torch.Tensor], **kwargs: object) -> object:
+        return lambda *tensors: wrong(list(tensors))  # (a wrapper: never calls the inner compiler)
+
+    def miscompiled_inner(gm: torch.fx.GraphModule, inputs: list[torch.Tensor], **kwargs: object) -> object:
+        return wrong
+
+    monkeypatch.setattr(compile_fx, layer, miscompiled_fx if layer == "compile_fx" else miscompiled_inner)
     update = CompiledUpdate(adaptive_update)
     state, reference = (_state([1.0] * ROWS, [False] * ROWS, [False] * ROWS, [0.0] * SITES, False) for _ in range(2))
     update((*state, None), variant=True, compile=True, due=True, **CONSTANTS)
     CompiledUpdate(adaptive_update)((*reference, None), variant=True, compile=False, due=True, **CONSTANTS)
     assert all(torch.equal(a, b) for a, b in zip(state, reference, strict=True))
-    assert update._failed and "not used" in caplog.text
+    assert update._failed and "differ from the eager function" in caplog.text
 
 
 def test_pow2floor_is_exact_around_powers_of_two() -> None:
