@@ -10,6 +10,10 @@ Methods, for each model (interleaved rounds, medians):
       checks cost is a/a'
   (b) the baseline: compiled float16 with torch.amp.GradScaler (one loss scale and its separate
       unscale-and-check pass over the gradients)
+  (b') the same baseline again, a second copy of the model compiled alike: the A/A control. A
+      copy of the same method does not time the same (weight placement and allocator state go
+      with each copy: up to ±2% per model on this CPU), so b'/b is the noise floor that a/b
+      is to be read against
   (c) torch.compile (Inductor), float32
   (d) eager, float32
 On CUDA, (b) is torch.compile (Inductor) + torch.autocast(float16) + torch.amp.GradScaler, and (a)
@@ -22,10 +26,14 @@ per-layer scaling costs over torch.amp's GradScaler on the same mixed-precision 
 Every step is the torch.amp loop (zero_grad, forward and loss under ``scale``, backward, ``step``,
 ``update``) with plain SGD. Each run measures every method in interleaved rounds (every method
 sees the same machine load) and reports the median step; ``--runs`` repeats that, after one
-compile, and the ratios are given per run and as their median. Also reported: the median time of
-each phase of a step (what a difference is made of), and the host's reads of device values in a
-steady-state ``step()`` + ``update()`` (each is a sync on a GPU; ``benchmarks.host_reads``), with
-the timed plain SGD and with fused SGD (torch.amp's ``found_inf`` protocol).
+compile, and the ratios are given per run and as their median. The order of the methods rotates
+from round to round, and each method's turn starts with an untimed step: a training loop runs one
+model, warm, and the first step after another method's ran cold. A fixed order had favoured
+whichever method followed a similar one: (b') after (b) timed 2–3% faster than (b), every run.
+Also reported: the median time of each phase of a step (what a difference is made of), and the
+host's reads of device values in a steady-state ``step()`` + ``update()`` (each is a sync on a GPU;
+``benchmarks.host_reads``), with the timed plain SGD and with fused SGD (torch.amp's
+``found_inf`` protocol).
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from typing import Any
 
 import torch
 import torch._dynamo
+import torch._functorch.config
+import torch._inductor.config
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -51,6 +61,8 @@ from benchmarks.numerics.tasks import Block
 
 PHASES = ("forward", "backward", "step", "update")
 A, A_UNWATCHED, B = "(a) autoscale", "(a') autoscale, no forward checks", "(b) compiled fp16 + torch.amp.GradScaler"
+B_AGAIN = "(b') the same, a second copy"
+RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (B_AGAIN, "b'/b"))  # (method, column) over (b)
 
 
 def mlp(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -166,13 +178,18 @@ def _synced(device: str) -> float:
 
 
 def _methods(model: nn.Module, device: str) -> dict[str, _Method]:
-    a, a0, b, c, d = (copy.deepcopy(model).to(device) for _ in range(5))
-    baseline = torch.compile(_Autocast(b, device)) if device == "cuda" else torch.compile(b, backend="autoscale")
+    a, a0, b, b2, c, d = (copy.deepcopy(model).to(device) for _ in range(6))
+
+    def baseline(m: nn.Module) -> _Method:
+        run = torch.compile(_Autocast(m, device)) if device == "cuda" else torch.compile(m, backend="autoscale")
+        return _Method(run, torch.amp.GradScaler(device), m)
+
     unwatched = autoscale.Config(overflow=autoscale.OverflowConfig(watch=False))
     return {
         A: _Method(torch.compile(a, backend="autoscale"), None, a),
         A_UNWATCHED: _Method(torch.compile(a0, backend=autoscale.backend(unwatched)), None, a0),
-        B: _Method(baseline, torch.amp.GradScaler(device), b),
+        B: baseline(b),
+        B_AGAIN: baseline(b2),
         "(c) torch.compile fp32": _Method(torch.compile(c), _NoScaler(), c),
         "(d) eager fp32": _Method(d, _NoScaler(), d),
     }
@@ -192,15 +209,22 @@ def measure(name: str, quick: bool, runs: int, rounds: int, steps: int, device: 
     model, x, y = MODELS[name](quick)
     x, y = x.to(device), y.to(device)
     methods = _methods(model, device)
-    for method in methods.values():
-        for _ in range(3):  # compile and warm up
-            method.step(x, y, device=device)
+    # Every method compiles afresh: one whose compiled graph came from the caches, as (b')'s does
+    # after (b)'s compile, timed 2-3% faster than the same graph compiled in the process, with
+    # the A/A control at 0.97 every run (with the caches off, four copies of (b) timed within 0.5%).
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        for method in methods.values():
+            for _ in range(3):  # compile and warm up
+                method.step(x, y, device=device)
     result = Result()
     phases = {label: {p: [] for p in PHASES} for label in methods}
+    labels = list(methods)
     for _ in range(runs):
         times: dict[str, list[float]] = {label: [] for label in methods}
-        for _ in range(rounds):  # interleaved: every method sees the same machine load
-            for label, method in methods.items():
+        for i in range(rounds):  # interleaved: every method sees the same machine load
+            for label in labels[i % len(labels):] + labels[:i % len(labels)]:  # (each in every position in turn)
+                method = methods[label]
+                method.step(x, y, device=device)  # (untimed: the first step after another method's is cold)
                 start = _synced(device)
                 for _ in range(steps):
                     method.step(x, y, phases[label], device=device)
@@ -220,22 +244,19 @@ def _geomean(values: list[float]) -> float:
 def report(results: dict[str, Result], *, quick: bool, runs: int, rounds: int, steps: int, device: str) -> str:
     labels = list(next(iter(results.values())).steps[0])
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
-    lines = ["| model | " + " | ".join(labels) + " | a/b | a'/b |", "|---" * (len(labels) + 3) + "|"]
-    by_run: list[list[float]] = [[] for _ in range(runs)]
-    by_run_unwatched: list[list[float]] = [[] for _ in range(runs)]
+    columns = " | ".join(column for _, column in RATIOS)
+    lines = ["| model | " + " | ".join(labels) + f" | {columns} |", "|---" * (len(labels) + len(RATIOS) + 1) + "|"]
+    # per ratio: per run, the models' ratios
+    by_run = {column: [[r.steps[i][label] / r.steps[i][B] for r in results.values()] for i in range(runs)]
+              for label, column in RATIOS}
     for name, r in results.items():
-        for i, run in enumerate(r.steps):
-            by_run[i].append(run[A] / run[B])
-            by_run_unwatched[i].append(run[A_UNWATCHED] / run[B])
         median = {label: statistics.median(run[label] for run in r.steps) for label in labels}
-        a_b = statistics.median(run[A] / run[B] for run in r.steps)
-        a0_b = statistics.median(run[A_UNWATCHED] / run[B] for run in r.steps)
-        lines.append(f"| {name} | " + " | ".join(ms(median[k]) for k in labels) + f" | {a_b:.3f} | {a0_b:.3f} |")
-    overall = [_geomean(r) for r in by_run]
-    overall_unwatched = [_geomean(r) for r in by_run_unwatched]
+        ratios = " | ".join(f"{statistics.median(run[label] / run[B] for run in r.steps):.3f}" for label, _ in RATIOS)
+        lines.append(f"| {name} | " + " | ".join(ms(median[k]) for k in labels) + f" | {ratios} |")
+    overall = {column: [_geomean(models) for models in per_run] for column, per_run in by_run.items()}
     per_run = "\n".join(
         f"| {i + 1} | " + " | ".join(f"{r[A] / r[B]:.3f}" for r in (res.steps[i] for res in results.values()))
-        + f" | {overall[i]:.3f} | {overall_unwatched[i]:.3f} |" for i in range(runs))
+        + " | " + " | ".join(f"{overall[column][i]:.3f}" for _, column in RATIOS) + " |" for i in range(runs))
     names = list(results)
     phase_lines = ["| model | method | " + " | ".join(PHASES) + " | sum |", "|---" * (len(PHASES) + 3) + "|"]
     for name, r in results.items():
@@ -249,13 +270,15 @@ def report(results: dict[str, Result], *, quick: bool, runs: int, rounds: int, s
         read_lines.append(f"| {name} | " + " | ".join(f"{p} / {f}" for p, f in (r.reads[label] for label in
                                                                                 (A, A_UNWATCHED, B))) + " |")
     machine = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
+    a_b = statistics.median(overall["a/b"])
+    summary = ", ".join(f"{column} {statistics.median(overall[column]):.3f}" for _, column in RATIOS[1:])
     return (f"# Step-time overhead{' (--quick)' if quick else ''}\n\n{__doc__}\nMachine: {machine}, torch "
             f"{torch.__version__}, {'--quick' if quick else 'full'} run; {runs} runs of {rounds} interleaved "
             f"rounds of {steps} steps; step times are the median over runs of each run's median.\n\n"
             + "\n".join(lines)
-            + f"\n\nGeometric mean over the models, median of the runs: **a/b {statistics.median(overall):.3f}**, "
-            f"a'/b {statistics.median(overall_unwatched):.3f}.\n\nEvery run (a/b per model, then the geometric "
-            "means):\n\n| run | " + " | ".join(names) + " | a/b | a'/b |\n" + "|---" * (len(names) + 3) + "|\n"
+            + f"\n\nGeometric mean over the models, median of the runs: **a/b {a_b:.3f}**, "
+            f"{summary} (b'/b: the A/A control).\n\nEvery run (a/b per model, then the geometric means):\n\n| run | "
+            + " | ".join(names) + f" | {columns} |\n" + "|---" * (len(names) + len(RATIOS) + 1) + "|\n"
             + per_run + "\n\nMedian time of each phase of a step (forward includes the loss and `scale()`):\n\n"
             + "\n".join(phase_lines)
             + "\n\nHost reads of device values in one steady-state `step()` + `update()` (a sync each on a GPU):\n\n"
