@@ -10,10 +10,8 @@ Methods, for each model (interleaved rounds, medians):
       checks cost is a/a'
   (b) the baseline: compiled float16 with torch.amp.GradScaler (one loss scale and its separate
       unscale-and-check pass over the gradients)
-  (b') the same baseline again, a second copy of the model compiled alike: the A/A control. A
-      copy of the same method does not time the same (weight placement and allocator state go
-      with each copy: up to ±2% per model on this CPU), so b'/b is the noise floor that a/b
-      is to be read against
+  (b') the same baseline again, a second copy of the model compiled alike: the A/A control,
+      what a/b is to be read against (how far apart two copies of one method time)
   (c) torch.compile (Inductor), float32
   (d) eager, float32
 On CUDA, (b) is torch.compile (Inductor) + torch.autocast(float16) + torch.amp.GradScaler, and (a)
