@@ -173,8 +173,8 @@ class CompiledUpdate:
     directly: through ``torch.compile``, Dynamo's frame evaluation and guards on a dozen tensors
     cost ~180 µs a call on this CPU, ten times the kernel. What ``compile_fx`` returns is still
     four wrappers deep (Dynamo's disable, AOTAutograd's forward and runtime wrapper, the output
-    code), and right after a backward, with the caches cold, those layers cost half the call
-    (47 µs against 33 µs on the quick MLP of ``benchmarks.overhead``). The graph mutates its
+    code), and right after a backward, with the caches cold, those layers cost a third of the
+    call (47 µs against 33 µs on the quick MLP of ``benchmarks.overhead``). The graph mutates its
     inputs and returns nothing, which an inference graph keeps in itself, so the output code that
     Inductor compiled (caught on its way out of ``compile_fx_inner``) is called directly, with the
     boxed calling convention (a list of the tensors), when there is exactly one.

@@ -25,9 +25,10 @@ Every step is the torch.amp loop (zero_grad, forward and loss under ``scale``, b
 ``update``) with plain SGD. Each run measures every method in interleaved rounds (every method
 sees the same machine load) and reports the median step; ``--runs`` repeats that, after one
 compile, and the ratios are given per run and as their median. The order of the methods rotates
-from round to round, and each method's turn starts with an untimed step: a training loop runs one
-model, warm, and the first step after another method's ran cold. A fixed order had favoured
-whichever method followed a similar one: (b') after (b) timed 2–3% faster than (b), every run.
+from round to round, and each method's turn starts with an untimed step (a training loop runs one
+model, warm). Every method compiles afresh, with Inductor's and AOTAutograd's caches off: a copy
+whose graph the caches served timed 2-3% faster than the same graph compiled in the process (the
+A/A control read 0.97 in every run; with the caches off, four copies of (b) came within 0.5%).
 Also reported: the median time of each phase of a step (what a difference is made of), and the
 host's reads of device values in a steady-state ``step()`` + ``update()`` (each is a sync on a GPU;
 ``benchmarks.host_reads``), with the timed plain SGD and with fused SGD (torch.amp's
@@ -207,9 +208,7 @@ def measure(name: str, quick: bool, runs: int, rounds: int, steps: int, device: 
     model, x, y = MODELS[name](quick)
     x, y = x.to(device), y.to(device)
     methods = _methods(model, device)
-    # Every method compiles afresh: one whose compiled graph came from the caches, as (b')'s does
-    # after (b)'s compile, timed 2-3% faster than the same graph compiled in the process, with
-    # the A/A control at 0.97 every run (with the caches off, four copies of (b) timed within 0.5%).
+    # (every method compiles afresh: a graph served from the caches runs faster; see the docstring)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         for method in methods.values():
             for _ in range(3):  # compile and warm up
