@@ -27,8 +27,8 @@ sees the same machine load) and reports the median step; ``--runs`` repeats that
 compile, and the ratios are given per run and as their median. The order of the methods rotates
 from round to round, and each method's turn starts with an untimed step (a training loop runs one
 model, warm). Every method compiles afresh, with Inductor's and AOTAutograd's caches off: a copy
-whose graph the caches served timed 2-3% faster than the same graph compiled in the process (the
-A/A control read 0.97 in every run; with the caches off, four copies of (b) came within 0.5%).
+whose graph the caches served, after another copy had compiled it in the same process, timed 2-3%
+faster (the A/A control read 0.97 in every run; with the caches off, 0.99-1.00).
 Also reported: the median time of each phase of a step (what a difference is made of), and the
 host's reads of device values in a steady-state ``step()`` + ``update()`` (each is a sync on a GPU;
 ``benchmarks.host_reads``), with the timed plain SGD and with fused SGD (torch.amp's
