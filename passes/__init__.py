@@ -17,6 +17,7 @@ from .insert_grad_scaling import insert_grad_scaling
 from .insert_overflow_checks import insert_overflow_checks
 from .manager import InvariantError, PassRecord, PassResult, PassSpec, Stage, run_stage
 from .predict_overflow import predict_overflow
+from .reduce_at_source import reduce_at_source
 from .remove_inplace import remove_inplace
 from .rewrite_avg_pool import rewrite_avg_pool
 
@@ -36,6 +37,7 @@ __all__ = [
     "insert_grad_scaling",
     "insert_overflow_checks",
     "predict_overflow",
+    "reduce_at_source",
     "remove_inplace",
     "rewrite_avg_pool",
     "run_stage",
@@ -55,6 +57,7 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec(insert_overflow_checks, "dynamo"),  # last: no other pass sees the checks as users of a value
     # AOTAutograd's joint forward+backward ATen graph, before partitioning.
     PassSpec(fold_casts, "joint"),
+    PassSpec(reduce_at_source, "joint"),  # the points' and checks' maxima read their sources in order
     PassSpec(batch_records, "joint"),  # one fold of the rescale points' statistics per graph
 )
 """The pipeline, in order."""

@@ -27,8 +27,8 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
-    "ALLOW", "BOUNDED", "CLEAR", "CREATION", "DENY", "FIXED", "INFER", "META", "NORMALIZATIONS", "SPARSE_GRADIENT",
-    "VIEWS", "Category", "category_of", "deny_reason",
+    "ALLOW", "BOUNDED", "CLEAR", "CREATION", "DENY", "FIXED", "INFER", "META", "NORMALIZATIONS", "REARRANGING",
+    "REORDERING", "SPARSE_GRADIENT", "UNARY_ELEMENTWISE", "VIEWS", "Category", "category_of", "deny_reason",
 ]
 
 
@@ -137,6 +137,22 @@ VIEWS: Final = frozenset({
     "getitem", "unbind", "split", "split_with_sizes", "chunk", "tensor_split", "detach", "alias",
     "as_strided", "view_as", "movedim", "swapaxes", "diagonal", "rescale",
 })
+
+# ATen ops whose output holds the elements of their (first) input and no others, rearranged or
+# repeated (``view`` by a shape, not by a dtype: ``reduce_at_source`` checks the dtype is kept). A
+# full max over the output is a full max over the input.
+REARRANGING: Final = frozenset({
+    "view", "_unsafe_view", "reshape", "clone", "permute", "transpose", "t", "alias", "squeeze", "unsqueeze",
+    "expand",
+})
+
+# The rearrangements among them that change the order of the elements: a reduction over their
+# output loops over their input out of its memory order.
+REORDERING: Final = frozenset({"permute", "transpose", "t"})
+
+# Unary elementwise ATen ops (casts aside: ``graph_utils.cast_of``): each output element depends on
+# its input element alone, so they commute with every rearrangement.
+UNARY_ELEMENTWISE: Final = frozenset({"abs"})
 
 FIXED: Final = frozenset({
     "to", "type", "type_as", "float", "double", "half", "bfloat16", "_to_copy",

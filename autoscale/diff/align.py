@@ -86,8 +86,9 @@ def _provenance(node: Node, derived_from: str | None = None, source: Node | None
                               bool(prov.get("created")), prov.get("precision"), derived_from)
     if prov is None:
         return None
+    # (its own: ``derived_from`` names a forward node only when the provenance is that node's)
     return Provenance(prov["pass"], prov.get("layer", ""), prov["reason"], bool(prov.get("created")),
-                      prov.get("precision"), derived_from)
+                      prov.get("precision"))
 
 
 Pair = tuple[Node | None, Node | None]
