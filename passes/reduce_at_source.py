@@ -5,22 +5,21 @@ every element, and so does each forward overflow check of the value it watches. 
 is its source rearranged: the gradient of an attention block's fused QKV projection is
 ``view(clone(permute(view(cat(dq, dk, dv)))))``. Inductor loops a reduction in the order of the
 value it reduces, so it read the source through the permutation, one scalar at a time with
-integer divisions in every index: on the quick transformer block of ``benchmarks.overhead`` that
-point's kernel took 77 µs against 29 µs for the unscaled copy it replaces (kernel profiler).
+integer divisions in every index. On the quick transformer block of ``benchmarks.overhead`` that
+point's kernel took 107 µs; reading the source, 49 µs (kernel profiler, both in one process).
 
-A max over every element does not depend on their order, nor on repeats; elementwise ops commute
-with any rearrangement. So ``amax(u(r(x)))``, with ``r`` a chain of rearrangements
-(``op_tables.REARRANGING``: views, permutes, clones, expands) and ``u`` of casts
-(``graph_utils.cast_of``, in either IR) and unary elementwise ops (``UNARY_ELEMENTWISE``: ``abs``)
-in any interleaving, is exactly ``amax(u(x))`` (nan too:
-a nan anywhere makes either nan). The pass gives each such reduction ``u(x)`` and all of ``x``'s
-dimensions, and Inductor reads ``x`` in its own order.
+A max over every element depends neither on their order nor on repeats, and elementwise ops
+commute with any rearrangement. So ``amax(u(r(x)))`` is exactly ``amax(u(x))``, nan included (a
+nan anywhere makes either nan), where ``r`` is a chain of rearrangements (``op_tables.REARRANGING``:
+views, permutes, clones, expands) and ``u`` one of casts (``graph_utils.cast_of``, in either IR) and
+unary elementwise ops (``UNARY_ELEMENTWISE``: ``abs``), in any interleaving. The pass gives each
+such reduction ``u(x)`` and all of ``x``'s dimensions, and Inductor reads ``x`` in its own order.
 
 Only where the chain changes the elements' order (``op_tables.REORDERING``: a permute or a
 transpose). Through views alone the reduction already reads in order, and it shares its loop with
-the op that reads the same view: moved to the source it took a loop of its own, a second pass over
-the value (the full transformer block's watched GELU kernel, 489 → 523 µs). Runs on the joint graph, where the points'
-backward and the checks are ATen ops.
+the op that reads the same view: moved to the source, it took a loop of its own, a second pass over
+the value (the full transformer block's watched GELU kernel, 489 → 523 µs). Runs on the joint
+graph, where the points' backward and the checks are ATen ops.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._guards import detect_fake_mode
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
 from .graph_utils import PROVENANCE_KEY, cast_of, new_node, op_name, provenance
 from .manager import PassResult
@@ -97,7 +96,7 @@ def _same_dtype(node: Node, source: Node) -> bool:
     return isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.dtype == inp.dtype
 
 
-def _copy_onto(graph: Any, op: Node, value: Node, fake_mode: Any) -> Node:
+def _copy_onto(graph: Graph, op: Node, value: Node, fake_mode: Any) -> Node:
     """``op`` applied to ``value`` instead of its own input, at the insert point."""
     args = (value, *op.args[1:])
     node = new_node(graph, "call_function", op.target, args, dict(op.kwargs))
@@ -111,7 +110,7 @@ def _copy_onto(graph: Any, op: Node, value: Node, fake_mode: Any) -> Node:
     return node
 
 
-def _erase_unused(graph: Any, node: Any) -> None:
+def _erase_unused(graph: Graph, node: Any) -> None:
     """Erase ``node`` and the chain under it as far as nothing else reads them."""
     while isinstance(node, Node) and not node.users and node.op == "call_function":
         below = node.args[0] if node.args else None
