@@ -50,6 +50,8 @@ def reduce_at_source(gm: GraphModule, cfg: Config) -> PassResult:
     if not amaxes:
         return PassResult(gm, modified=False, counts={"reductions": 0})
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
+    if fake_mode is None:  # (no fake values to type the copies with: leave the graph as it is)
+        return PassResult(gm, modified=False, counts={"reductions": 0})
     moved = 0
     for amax in amaxes:
         source, unary = _source_of(amax.args[0])
