@@ -252,7 +252,7 @@ def report(results: dict[str, Result], *, quick: bool, runs: int, rounds: int, s
         lines.append(f"| {name} | " + " | ".join(ms(median[k]) for k in labels) + f" | {ratios} |")
     overall = {column: [_geomean(models) for models in per_run] for column, per_run in by_run.items()}
     per_run = "\n".join(
-        f"| {i + 1} | " + " | ".join(f"{r[A] / r[B]:.3f}" for r in (res.steps[i] for res in results.values()))
+        f"| {i + 1} | " + " | ".join(f"{ratio:.3f}" for ratio in by_run["a/b"][i])
         + " | " + " | ".join(f"{overall[column][i]:.3f}" for _, column in RATIOS) + " |" for i in range(runs))
     names = list(results)
     phase_lines = ["| model | method | " + " | ".join(PHASES) + " | sum |", "|---" * (len(PHASES) + 3) + "|"]

@@ -30,7 +30,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 
-from .graph_utils import PROVENANCE_KEY, cast_of, new_node, op_name, provenance
+from .graph_utils import PROVENANCE_KEY, cast_of, new_node, op_name, provenance, tensor_val
 from .manager import PassResult
 from .op_tables import REARRANGING, REORDERING, UNARY_ELEMENTWISE
 
@@ -70,7 +70,7 @@ def reduce_at_source(gm: GraphModule, cfg: Config) -> PassResult:
 
 def _reduces_all(amax: Node) -> bool:
     """Whether ``amax`` reduces every dimension of its input to one 0-dim value."""
-    val = amax.meta.get("val")
+    val = tensor_val(amax)
     return isinstance(val, torch.Tensor) and val.dim() == 0 and isinstance(amax.args[0], Node)
 
 
@@ -94,7 +94,7 @@ def _source_of(value: Node) -> tuple[Node | None, list[Node]]:
 
 
 def _same_dtype(node: Node, source: Node) -> bool:
-    out, inp = node.meta.get("val"), source.meta.get("val")
+    out, inp = tensor_val(node), tensor_val(source)
     return isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.dtype == inp.dtype
 
 
@@ -107,7 +107,7 @@ def _copy_onto(graph: Graph, op: Node, value: Node, fake_mode: Any) -> Node:
     node.meta.update({k: v for k, v in op.meta.items() if k not in ("val", "tensor_meta", PROVENANCE_KEY)})
     target: Any = op.target
     with fake_mode:
-        node.meta["val"] = target(value.meta["val"], *op.args[1:], **op.kwargs)
+        node.meta["val"] = target(tensor_val(value), *op.args[1:], **op.kwargs)
     provenance(node, PASS, "a full max read from the source of a rearranged value, in its own order", created=True)
     return node
 
