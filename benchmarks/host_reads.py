@@ -25,6 +25,20 @@ __all__ = ["HostReads"]
 _PATCHED = ("tolist", "numpy")
 
 
+def _blocking_copy_to_host(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an aten call copies a device tensor to the host and waits for it. ``copy_`` takes
+    ``non_blocking`` positionally (``args[2]``) at the dispatcher; ``_to_copy`` as a keyword."""
+    if func is torch.ops.aten.copy_.default and len(args) >= 2:
+        dst, src, non_blocking = args[0], args[1], len(args) > 2 and bool(args[2])
+        dst_device = dst.device
+    elif func is torch.ops.aten._to_copy.default and args:
+        src, non_blocking, dst_device = args[0], kwargs.get("non_blocking", False), kwargs.get("device")
+    else:
+        return False
+    return (not non_blocking and isinstance(src, torch.Tensor) and src.device.type != "cpu"
+            and dst_device is not None and torch.device(dst_device).type == "cpu")
+
+
 class HostReads(TorchDispatchMode):
     """A context that counts host reads of tensor values (see the module docstring)."""
 
@@ -49,13 +63,8 @@ class HostReads(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and not self._exempt(args[0]):
             self._note("item")
-        elif (not self._inside and func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and args
-              and isinstance(args[0], torch.Tensor) and not kwargs.get("non_blocking", False)):
-            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
-            dst_device = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device")
-            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_device is not None \
-                    and torch.device(dst_device).type == "cpu":
-                self._note("copy to host")
+        elif not self._inside and _blocking_copy_to_host(func, args, kwargs):
+            self._note("copy to host")
         return func(*args, **kwargs)
 
     def __enter__(self) -> HostReads:

@@ -29,7 +29,8 @@ from round to round, and each method's turn starts with an untimed step (a train
 model, warm). Every method compiles afresh, with Inductor's and AOTAutograd's caches off: a copy
 whose graph the caches served, after another copy had compiled it in the same process, timed 2-3%
 faster (the A/A control read 0.97 in every run; with the caches off, 0.99-1.00).
-Also reported: the median time of each phase of a step (what a difference is made of), and the
+Also reported: the median time of each phase of a step (what a difference is made of; on a GPU,
+timed in separate steps with a sync between phases, which the timed steps do not have), and the
 host's reads of device values in a steady-state ``step()`` + ``update()`` (each is a sync on a GPU;
 ``benchmarks.host_reads``), with the timed plain SGD and with fused SGD (torch.amp's
 ``found_inf`` protocol).
@@ -138,16 +139,17 @@ class _Method:
     def step(self, x: torch.Tensor, y: torch.Tensor, phases: dict[str, list[float]] | None = None,
              device: str = "cpu") -> None:
         opt, scaler = self.opt, self.scaler
+        sync = device if phases is not None else "cpu"  # (no sync between phases in a timed step)
         opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+        t0 = _synced(sync)
         loss = scaler.scale(F.cross_entropy(self.run(x), y))
-        t1 = _synced(device)
+        t1 = _synced(sync)
         loss.backward()
-        t2 = _synced(device)
+        t2 = _synced(sync)
         scaler.step(opt)
-        t3 = _synced(device)
+        t3 = _synced(sync)
         scaler.update()
-        t4 = _synced(device)
+        t4 = _synced(sync)
         if phases is not None:
             for name, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 phases[name].append(seconds)
@@ -214,7 +216,7 @@ def measure(name: str, quick: bool, runs: int, rounds: int, steps: int, device: 
             for _ in range(3):  # compile and warm up
                 method.step(x, y, device=device)
     result = Result()
-    phases = {label: {p: [] for p in PHASES} for label in methods}
+    phases: dict[str, dict[str, list[float]]] = {label: {p: [] for p in PHASES} for label in methods}
     labels = list(methods)
     for _ in range(runs):
         times: dict[str, list[float]] = {label: [] for label in methods}
@@ -223,10 +225,14 @@ def measure(name: str, quick: bool, runs: int, rounds: int, steps: int, device: 
                 method = methods[label]
                 method.step(x, y, device=device)  # (untimed: the first step after another method's is cold)
                 start = _synced(device)
-                for _ in range(steps):
-                    method.step(x, y, phases[label], device=device)
+                for _ in range(steps):  # (on a GPU, timing each phase would sync: phases are timed apart)
+                    method.step(x, y, phases[label] if device == "cpu" else None, device=device)
                 times[label].append((_synced(device) - start) / steps)
         result.steps.append({label: statistics.median(t) for label, t in times.items()})
+    if device != "cpu":
+        for label, method in methods.items():
+            for _ in range(rounds):
+                method.step(x, y, phases[label], device=device)
     result.phases = {label: {p: statistics.median(v) for p, v in ph.items()} for label, ph in phases.items()}
     for label in (A, A_UNWATCHED, B):
         method = methods[label]

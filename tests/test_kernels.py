@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import autoscale.measure
 from autoscale.kernels.reference import scale_grad_reference
-from autoscale.kernels.scale_grad import BLOCK, scale_grad_triton
+from autoscale.kernels.scale_grad import BLOCK, Launch, scale_grad_triton
 from autoscale.measure import ARRIVED, BAD, MADE, NUM_STATS, PEAK, STAT, Measured, scale_and_measure, taken
 from autoscale.ops import rescale
 
@@ -25,9 +25,9 @@ SPECIAL = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 6.1e-5, 65504.0, -65504.0
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
-def _check(grad: torch.Tensor, factor: float, carried: float) -> None:
+def _check(grad: torch.Tensor, factor: float, carried: float, launch: Launch | None = None) -> None:
     f, c = torch.tensor(factor, device=grad.device), torch.tensor(carried, device=grad.device)
-    out, fstats, counts = scale_grad_triton(grad, f, c)
+    out, fstats, counts = scale_grad_triton(grad, f, c, **({} if launch is None else {"launch": launch}))
     ref_out, ref_fstats, ref_counts = scale_grad_reference(grad, f, c)
     assert out.dtype == grad.dtype and out.shape == grad.shape
     assert torch.equal(out, ref_out)
@@ -129,6 +129,24 @@ def test_special_cases(dtype: torch.dtype) -> None:
     _check(torch.empty(0, dtype=dtype, device=DEVICE), 2.0, 1.0)
     # more blocks than programs: each program strides over several (the persistent loop)
     _check((torch.randn(9 * BLOCK + 7) * 1e-6).to(dtype).to(DEVICE), 2.0**-4, 2.0**3)
+
+
+@pytest.mark.parametrize("launch", [Launch(256, 2, 1), Launch(2048, 8, 2), Launch(4096, 4, 16)],
+                         ids=lambda s: f"{s.block}x{s.num_warps}x{s.programs_per_sm}")
+def test_every_launch_shape_computes_the_same(launch: Launch) -> None:
+    """``benchmarks.kernel_bandwidth --sweep`` times launch shapes; each must compute the reference's
+    result, the elements counted once whatever the number of programs."""
+    grad = torch.randn(5 * 4096 + 3) * 1e-4
+    grad[::97] = 0.0
+    grad[7], grad[4096 + 1] = float("inf"), 2.0**-24
+    _check(grad.half().to(DEVICE), 2.0**-2, 2.0**3, launch)
+
+
+def test_launch_shapes_are_validated() -> None:
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        Launch(block=1000)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        Launch(programs_per_sm=0)
 
 
 def test_counts_mean_what_they_say() -> None:

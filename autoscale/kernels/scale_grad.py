@@ -19,6 +19,7 @@ AOTAutograd and Inductor see the kernel itself, not an opaque call.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -28,9 +29,35 @@ from torch.library import triton_op, wrap_triton
 
 from autoscale.kernels.reference import COUNTS, scale_grad_reference
 
-__all__ = ["BLOCK", "scale_grad", "scale_grad_reference", "scale_grad_triton"]
+__all__ = ["BLOCK", "LAUNCH", "Launch", "scale_grad", "scale_grad_reference", "scale_grad_triton"]
 
-BLOCK = 1024
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the kernel is launched: elements per block, warps per program, programs per SM.
+
+    The kernel is persistent (each program strides over many blocks). ``benchmarks.kernel_bandwidth
+    --sweep`` times the choices; on an H200 (docs/results/kernels.md) 1024 elements on 8 warps, 4
+    programs per SM, was the fastest at 2^24 and 2^28 elements: 1657 and 2250 GB/s, against 1492
+    and 1940 with 4 warps (two runs alike). The kernel issues too many instructions per element
+    to reach a copy's bandwidth under any of them: the docs say why.
+    """
+
+    block: int = 1024
+    num_warps: int = 8
+    programs_per_sm: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"Launch.{name} must be a power of two, got {value}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"Launch.programs_per_sm must be at least 1, got {self.programs_per_sm}")
+
+
+LAUNCH = Launch()
+BLOCK = LAUNCH.block
 
 
 @triton.jit
@@ -46,7 +73,6 @@ def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carri
     total = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     squares = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     arrived = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
-    elements = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
     zeros = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
     made_bad = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
     underflowed = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
@@ -66,7 +92,6 @@ def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carri
         total += safe
         squares += safe * safe
         arrived += (mask & ~finite).to(tl.int32)
-        elements += mask.to(tl.int32)
         zeros += (mask & (g == 0)).to(tl.int32)
         made_bad += (mask & finite & ~made).to(tl.int32)
         underflowed += (mask & finite & (g != 0) & (out.to(tl.float32) == 0)).to(tl.int32)
@@ -74,15 +99,15 @@ def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carri
     tl.atomic_add(fstats_ptr + 1, tl.sum(total, axis=0))
     tl.atomic_add(fstats_ptr + 2, tl.sum(squares, axis=0))
     tl.atomic_add(counts_ptr + 0, tl.sum(arrived, axis=0).to(tl.int64))
-    tl.atomic_add(counts_ptr + 1, tl.sum(elements, axis=0).to(tl.int64))
+    tl.atomic_add(counts_ptr + 1, tl.where(pid == 0, n, 0).to(tl.int64))  # (elements: n, added once)
     tl.atomic_add(counts_ptr + 2, tl.sum(zeros, axis=0).to(tl.int64))
     tl.atomic_add(counts_ptr + 3, tl.sum(made_bad, axis=0).to(tl.int64))
     tl.atomic_add(counts_ptr + 4, tl.sum(underflowed, axis=0).to(tl.int64))
 
 
-def _programs(device: torch.device, blocks: int) -> int:
+def _programs(device: torch.device, blocks: int, per_sm: int) -> int:
     """Enough programs to fill the GPU a few times over; a handful elsewhere (the interpreter)."""
-    return min(blocks, 4 * _multiprocessors(device.index or 0) if device.type == "cuda" else 4)
+    return min(blocks, per_sm * _multiprocessors(device.index or 0) if device.type == "cuda" else 4)
 
 
 @functools.cache
@@ -90,7 +115,7 @@ def _multiprocessors(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def _launch(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, kernel: object
+def _launch(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, kernel: object, launch: Launch
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = grad.contiguous()
     out = torch.empty_like(g)
@@ -98,16 +123,16 @@ def _launch(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, ker
     counts = torch.zeros(len(COUNTS), dtype=torch.int64, device=g.device)
     n = g.numel()
     if n:
-        grid = (_programs(g.device, triton.cdiv(n, BLOCK)),)
+        grid = (_programs(g.device, triton.cdiv(n, launch.block), launch.programs_per_sm),)
         kernel[grid](g, out, fstats, counts, factor.reshape(1).float(), carried.reshape(1).float(),  # type: ignore[index]
-                     n, BLOCK_SIZE=BLOCK)
+                     n, BLOCK_SIZE=launch.block, num_warps=launch.num_warps)
     return out.view_as(grad), fstats, counts
 
 
-def scale_grad_triton(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
+def scale_grad_triton(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, launch: Launch = LAUNCH
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same as ``scale_grad_reference``, in one direct Triton launch (any device Triton runs on)."""
-    return _launch(grad, factor, carried, _scale_grad_kernel)
+    return _launch(grad, factor, carried, _scale_grad_kernel, launch)
 
 
 @triton_op("autoscale::scale_grad", mutates_args=())
@@ -115,5 +140,5 @@ def scale_grad(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused op: the Triton kernel on CUDA, the reference elsewhere."""
     if grad.device.type == "cuda":
-        return _launch(grad, factor, carried, wrap_triton(_scale_grad_kernel))
+        return _launch(grad, factor, carried, wrap_triton(_scale_grad_kernel), LAUNCH)
     return scale_grad_reference(grad, factor, carried)

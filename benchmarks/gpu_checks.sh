@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Every GPU check, in one call of a lent GPU machine (its lease is minutes: docs/results/gpu.md):
+#
+#     bash benchmarks/gpu_checks.sh [STEP...]   # steps: bandwidth overhead overhead_quick profile
+#                                               # kernel_tests gpu_tests suite (default: bandwidth overhead
+#                                               # gpu_tests); logs and reports under $OUT
+#
+# Runs under the machine's own python3 (PYTHON=... to change) after an editable install without
+# dependencies (the backend's entry point needs it). Each step has a time limit, so one that hangs
+# leaves the others their time; each step's log and report land in $OUT (default ./gpu_out).
+set -u
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+step() {  # step NAME LIMIT_S COMMAND...: run it under a time limit, log to $out/NAME.log, print its tail
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc $rc in $((SECONDS - start)) s (limit $limit s)"
+  tail -n "${TAIL:-12}" "$out/$name.log"
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  "$py" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__,
+            'triton', triton.__version__, torch.cuda.get_device_name())"
+  echo "cpus $(nproc)"
+  "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e . && echo "installed autoscale (editable)"
+} >"$out/env.log" 2>&1
+cat "$out/env.log"
+grep -q "installed autoscale" "$out/env.log" || exit 1
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(bandwidth overhead gpu_tests)
+for name in "${steps[@]}"; do
+    case $name in
+    bandwidth)
+        step bandwidth 90 "$py" -m benchmarks.kernel_bandwidth --sweep
+        cp docs/results/kernels.md "$out/" ;;
+    overhead)
+        step overhead 240 "$py" -m benchmarks.overhead --device cuda
+        cp docs/results/overhead_cuda.md "$out/" 2>/dev/null ;;
+    overhead_quick)
+        step overhead_quick 120 "$py" -m benchmarks.overhead --device cuda --quick
+        cp docs/results/overhead_quick_cuda.md "$out/" 2>/dev/null ;;
+    profile)
+        step profile 120 "$py" -m benchmarks.step_profile --device cuda --steps 3 --models MLP "transformer block"
+        cp docs/results/step_profile_cuda.md "$out/" 2>/dev/null ;;
+    kernel_tests)  # the kernel's tests alone, run natively
+        step kernel_tests 60 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py ;;
+    gpu_tests)  # the GPU-marked tests, and the kernel's tests run natively
+        step gpu_tests 120 bash -c "'$py' -m pytest -q -p no:cacheprovider tests/test_kernels.py;
+                                    '$py' -m pytest -q -p no:cacheprovider -m gpu tests" ;;
+    suite)  # the default suite, spread over the machine's cores
+        step suite "${SUITE_S:-300}" "$py" -m pytest -q -p no:cacheprovider -m "not slow" -n 16 ;;
+    *) echo "unknown step $name"; exit 2 ;;
+    esac
+done
