@@ -39,8 +39,8 @@ class Launch:
     The kernel is persistent (each program strides over many blocks). ``benchmarks.kernel_bandwidth
     --sweep`` times the choices; on an H200 (docs/results/kernels.md) 1024 elements on 8 warps, 4
     programs per SM, was the fastest at 2^24 and 2^28 elements: 1657 and 2250 GB/s, against 1492
-    and 1940 with 4 warps (two runs alike). The kernel issues too many instructions per element
-    to reach a copy's bandwidth under any of them: the docs say why.
+    and 1940 with 4 warps (two runs alike), with the kernel of before its loop was shortened
+    (``benchmarks.kernel_sass``): 37.2 and 38.9 instructions per element then, 24.5 and 22.8 now.
     """
 
     block: int = 1024
@@ -65,6 +65,17 @@ def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carri
                        BLOCK_SIZE: tl.constexpr):
     # Persistent: each program strides over many blocks, accumulating in registers, and touches
     # the statistics once at the end (one atomic per statistic per program, not per block).
+    # The kernel is bound by the instructions it issues per element, not by memory (an H100 and
+    # an H200 ran it at the same rate: docs/results/kernels.md), so the loop does the least per
+    # element: each count is one predicate, selected and added in float32 (exact: a lane counts
+    # at most one per block it visits, far below 2^24; ``_programs`` makes sure); the counts the
+    # reference defines as conjunctions are derived at the end from these four:
+    #   made non-finite = not finite after scaling - arrived non-finite (scaling keeps inf and nan)
+    #   underflowed     = zero after scaling - arrived non-finite - zero before
+    # (``out`` is 0 exactly where g is non-finite, made non-finite, zero, or underflowed: the
+    # reference's underflowed includes the made non-finite, whose ``out`` is 0 too). Masked lanes
+    # load 0: they add to no statistic but the zeros, before and after, which cancel in
+    # underflowed; program 0 takes the last block's padding off the zeros.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     factor = tl.load(factor_ptr).to(tl.float32)
@@ -72,42 +83,46 @@ def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carri
     amax = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     total = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     squares = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
-    arrived = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
-    zeros = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
-    made_bad = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
-    underflowed = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)  # per program: fits
+    arrived = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)  # counts, per lane (see above)
+    zeros_in = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+    unmade = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+    zeros_out = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     for start in range(pid * BLOCK_SIZE, n, programs * BLOCK_SIZE):
-        offsets = start + tl.arange(0, BLOCK_SIZE)
+        offsets = tl.multiple_of(start, BLOCK_SIZE) + tl.arange(0, BLOCK_SIZE)
         mask = offsets < n
         raw = tl.load(g_ptr + offsets, mask=mask, other=0.0)
         g = raw.to(tl.float32)
-        finite = (g == g) & (tl.abs(g) != float("inf"))
-        safe = tl.where(finite & mask, g, 0.0) * inv_carried
+        finite = tl.abs(g) < float("inf")  # (false for inf and nan)
+        safe = tl.where(finite, g, 0.0) * inv_carried
         scaled = (g * factor).to(raw.dtype)
-        scaled_f = scaled.to(tl.float32)
-        made = (scaled_f == scaled_f) & (tl.abs(scaled_f) != float("inf"))
+        made = tl.abs(scaled.to(tl.float32)) < float("inf")
         out = tl.where(made, scaled, 0.0).to(raw.dtype)
         tl.store(out_ptr + offsets, out, mask=mask)
         amax = tl.maximum(amax, tl.abs(safe))
         total += safe
         squares += safe * safe
-        arrived += (mask & ~finite).to(tl.int32)
-        zeros += (mask & (g == 0)).to(tl.int32)
-        made_bad += (mask & finite & ~made).to(tl.int32)
-        underflowed += (mask & finite & (g != 0) & (out.to(tl.float32) == 0)).to(tl.int32)
+        arrived += tl.where(finite, 0.0, 1.0)
+        zeros_in += tl.where(g == 0, 1.0, 0.0)
+        unmade += tl.where(made, 0.0, 1.0)
+        zeros_out += tl.where(out == 0, 1.0, 0.0)
     tl.atomic_max(fstats_ptr + 0, tl.max(amax, axis=0))
     tl.atomic_add(fstats_ptr + 1, tl.sum(total, axis=0))
     tl.atomic_add(fstats_ptr + 2, tl.sum(squares, axis=0))
-    tl.atomic_add(counts_ptr + 0, tl.sum(arrived, axis=0).to(tl.int64))
+    a = tl.sum(arrived.to(tl.int64), axis=0)
+    z = tl.sum(zeros_in.to(tl.int64), axis=0)
+    padding = (BLOCK_SIZE - n % BLOCK_SIZE) % BLOCK_SIZE  # (the last block's masked lanes)
+    tl.atomic_add(counts_ptr + 0, a)
     tl.atomic_add(counts_ptr + 1, tl.where(pid == 0, n, 0).to(tl.int64))  # (elements: n, added once)
-    tl.atomic_add(counts_ptr + 2, tl.sum(zeros, axis=0).to(tl.int64))
-    tl.atomic_add(counts_ptr + 3, tl.sum(made_bad, axis=0).to(tl.int64))
-    tl.atomic_add(counts_ptr + 4, tl.sum(underflowed, axis=0).to(tl.int64))
+    tl.atomic_add(counts_ptr + 2, z - tl.where(pid == 0, padding, 0).to(tl.int64))
+    tl.atomic_add(counts_ptr + 3, tl.sum(unmade.to(tl.int64), axis=0) - a)
+    tl.atomic_add(counts_ptr + 4, tl.sum(zeros_out.to(tl.int64), axis=0) - a - z)
 
 
 def _programs(device: torch.device, blocks: int, per_sm: int) -> int:
-    """Enough programs to fill the GPU a few times over; a handful elsewhere (the interpreter)."""
-    return min(blocks, per_sm * _multiprocessors(device.index or 0) if device.type == "cuda" else 4)
+    """Enough programs to fill the GPU a few times over; a handful elsewhere (the interpreter).
+    At least one per 2^23 blocks: a lane's float32 counts stay exact (one per block visited)."""
+    wanted = per_sm * _multiprocessors(device.index or 0) if device.type == "cuda" else 4
+    return min(blocks, max(wanted, triton.cdiv(blocks, 2**23)))
 
 
 @functools.cache
