@@ -59,7 +59,7 @@ class ScalingConfig:
 
     ``GradScaler`` reads the runtime settings (mode, rule, margin, update_every, the caps and the
     dynamic-mode knobs); the backend reads the compile-time ones (``placement``, ``gamma``,
-    ``calibrate``, and ``margin`` for the initial scales) from ``Config.scaling``.
+    ``calibrate``, ``point_kernel``, and ``margin`` for the initial scales) from ``Config.scaling``.
 
     mode:       "adaptive" (per-layer scales in the backward graph, the default), "dynamic" (one
                 global loss scale with torch.amp.GradScaler semantics, plus ``hysteresis`` and
@@ -74,6 +74,13 @@ class ScalingConfig:
                 numerics benchmark's MLP, and a layer without a point cannot follow them).
     calibrate:  compile-time. Run the captured graph once in float32 on copies of the example
                 inputs and use the measured magnitudes instead of the analysis' predictions.
+    point_kernel: compile-time, CUDA only. "fused" (the default): each scale point's backward is
+                the Triton kernel ``autoscale::scale_grad``, one pass over the gradient in a launch
+                of its own, with three small launches around it. "inductor": plain torch that
+                Inductor fuses into the kernels next to it, as on a CPU (always, there). On a GPU
+                small models are launch-bound, and the fused kernel's launches made their backward
+                launch 131 kernels against torch.amp's 47 (docs/results/overhead_cuda.md); which
+                is faster there is for ``benchmarks.overhead --device cuda`` to say (its (a'')).
     update_every: recompute the adaptive scales every F steps (statistics accumulate in between).
     scale_upper_bound: optional cap on any one scale.
     init_scale, growth_factor, backoff_factor, growth_interval: torch.amp.GradScaler's, for
@@ -90,6 +97,7 @@ class ScalingConfig:
     gamma: float = 1e-3
     margin: int = 6
     calibrate: bool = False
+    point_kernel: Literal["fused", "inductor"] = "fused"
     update_every: int = 1
     scale_upper_bound: float | None = None
     init_scale: float = 2.0**16
@@ -103,6 +111,7 @@ class ScalingConfig:
         _choice("ScalingConfig", "mode", self.mode, _SCALING_MODES)
         _choice("ScalingConfig", "rule", self.rule, ("headroom", "paper"))
         _choice("ScalingConfig", "placement", self.placement, ("predicted", "all"))
+        _choice("ScalingConfig", "point_kernel", self.point_kernel, ("fused", "inductor"))
         owner = "ScalingConfig"
         _real(owner, "gamma", self.gamma, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
         _flag(owner, "calibrate", self.calibrate)

@@ -24,7 +24,8 @@ into one small gather at the end of the backward; run eagerly (``autoscale.conve
 ``record`` folds one point's values itself.
 
 ``scale_and_measure`` computes the point's output and measurements: the fused Triton kernel on
-CUDA, plain torch that Inductor fuses into the kernel next to it elsewhere.
+CUDA (unless ``ScalingConfig.point_kernel`` says "inductor"), plain torch that Inductor fuses
+into the kernel next to it elsewhere.
 ``autoscale.kernels.reference.scale_grad_reference`` is the oracle of both.
 """
 
@@ -119,13 +120,16 @@ class Measured(NamedTuple):
 
 
 def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
-                      moments: bool = False, zeros: bool = False) -> tuple[torch.Tensor, Measured]:
+                      moments: bool = False, zeros: bool = False, fused: bool = True
+                      ) -> tuple[torch.Tensor, Measured]:
     """The point's output, ``grad·factor`` in grad's dtype, and its ``Measured``.
 
-    On CUDA, the fused Triton kernel (imported on first use: ``import autoscale`` stays
-    triton-free). Elsewhere, plain torch that Inductor fuses into the kernel of the backward op
-    next to it, computing only what is asked for: one reduction, ``max |g|``, which carries
-    inf and nan through, and from which the value follows.
+    On CUDA with ``fused``, the fused Triton kernel (imported on first use: ``import autoscale``
+    stays triton-free): one pass, but a launch of its own and three small ones around it, which a
+    launch-bound step pays for (docs/results/overhead_cuda.md). Elsewhere, plain torch that
+    Inductor fuses into the kernel of the backward op next to it, computing only what is asked
+    for: one reduction, ``max |g|``, which carries inf and nan through, and from which the value
+    follows.
 
     Written so that Inductor computes ``out`` in place, over the gradient's own buffer: Inductor
     does so only when the node writing ``out`` is the last to read that buffer. On CPU, writing a
@@ -140,7 +144,7 @@ def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
     gradients come back with the values that are not finite after scaling set to 0, so that the
     rest of the backward does not see them: the point that made or met them blames them.
     """
-    if grad.device.type == "cuda":
+    if fused and grad.device.type == "cuda":
         import autoscale.kernels.scale_grad  # noqa: F401  (registers autoscale::scale_grad)
 
         out, fstats, counts = torch.ops.autoscale.scale_grad(grad, factor, carried)
@@ -235,8 +239,8 @@ def _max_of(each: Sequence[torch.Tensor] | torch.Tensor, rows: tuple[int, ...]) 
 
 
 def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
-                   in_rows: tuple[int, ...], record_rows: tuple[int, ...], unscale: bool, moments: bool
-                   ) -> torch.Tensor:
+                   in_rows: tuple[int, ...], record_rows: tuple[int, ...], unscale: bool, moments: bool,
+                   fused: bool = True) -> torch.Tensor:
     """The backward of ``autoscale.ops.rescale``: the gradient it hands on; ``stats`` gets the
     point's measurements (``record``).
 
@@ -255,7 +259,7 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     each = _rows_of(scales)
     carried = _max_of(each, in_rows)
     factor = _max_of(each, out_rows) / carried
-    out, m = scale_and_measure(grad, factor, carried, leaving=unscale, moments=moments, zeros=unscale)
+    out, m = scale_and_measure(grad, factor, carried, leaving=unscale, moments=moments, zeros=unscale, fused=fused)
     values: list[torch.Tensor] = []
     cells: list[int] = []
     modes: list[int] = []

@@ -1,6 +1,6 @@
 """autoscale's graph ops: the ``autoscale::`` custom ops and the gradient rescale point.
 
-``rescale(x, scales, stats, out_rows, in_rows, record_rows, unscale)`` is the identity in
+``rescale(x, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused)`` is the identity in
 the forward. In the backward it multiplies the arriving gradient by
 
     factor = max(scales[out_rows]) / max(scales[in_rows])        (an empty set means 1)
@@ -120,10 +120,10 @@ class _Rescale(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor,
                 out_rows: tuple[int, ...], in_rows: tuple[int, ...], record_rows: tuple[int, ...],
-                unscale: bool, moments: bool) -> torch.Tensor:
+                unscale: bool, moments: bool, fused: bool) -> torch.Tensor:
         ctx.save_for_backward(scales)
         ctx.stats = stats  # held, not saved: the backward writes it in place
-        ctx.rows = out_rows, in_rows, record_rows, unscale, moments
+        ctx.rows = out_rows, in_rows, record_rows, unscale, moments, fused
         return x.view_as(x)
 
     @staticmethod
@@ -132,14 +132,15 @@ class _Rescale(torch.autograd.Function):
         return point_backward(grad, scales, ctx.stats, *ctx.rows), *_NO_GRADS
 
 
-_NO_GRADS = (None,) * 7  # for rescale's arguments after x
+_NO_GRADS = (None,) * 8  # for rescale's arguments after x
 
 
 def rescale(x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
             in_rows: tuple[int, ...], record_rows: tuple[int, ...] = (), unscale: bool = False,
-            moments: bool = False) -> torch.Tensor:
-    """Identity forward; backward rescales the gradient and records its statistics (see the module)."""
-    out: torch.Tensor = _Rescale.apply(x, scales, stats, out_rows, in_rows, record_rows, unscale, moments)
+            moments: bool = False, fused: bool = True) -> torch.Tensor:
+    """Identity forward; backward rescales the gradient and records its statistics (see the module).
+    ``fused``: on CUDA, the backward runs the fused Triton kernel (``ScalingConfig.point_kernel``)."""
+    out: torch.Tensor = _Rescale.apply(x, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused)
     return out
 
 

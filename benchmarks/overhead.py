@@ -8,6 +8,8 @@ Methods, for each model (interleaved rounds, medians):
       forward overflow checks: DESIGN.md §3.1)
   (a') the same without the forward overflow checks (``OverflowConfig(watch=False)``): what the
       checks cost is a/a'
+  (a'') on CUDA only: (a) with the scale points in Inductor's kernels
+      (``ScalingConfig(point_kernel="inductor")``) instead of the fused Triton kernel
   (b) the baseline: compiled float16 with torch.amp.GradScaler (one loss scale and its separate
       unscale-and-check pass over the gradients)
   (b') the same baseline again, a second copy of the model compiled alike: the A/A control,
@@ -61,8 +63,9 @@ from benchmarks.numerics.tasks import Block
 
 PHASES = ("forward", "backward", "step", "update")
 A, A_UNWATCHED, B = "(a) autoscale", "(a') autoscale, no forward checks", "(b) compiled fp16 + torch.amp.GradScaler"
+A_INDUCTOR = "(a'') autoscale, points in Inductor's kernels"
 B_AGAIN = "(b') the same, a second copy"
-RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (B_AGAIN, "b'/b"))  # (method, column) over (b)
+RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_INDUCTOR, "a''/b"), (B_AGAIN, "b'/b"))  # (method, column) over (b)
 
 
 def mlp(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -186,7 +189,7 @@ def _methods(model: nn.Module, device: str) -> dict[str, _Method]:
         return _Method(run, torch.amp.GradScaler(device), m)
 
     unwatched = autoscale.Config(overflow=autoscale.OverflowConfig(watch=False))
-    return {
+    methods = {
         A: _Method(torch.compile(a, backend="autoscale"), None, a),
         A_UNWATCHED: _Method(torch.compile(a0, backend=autoscale.backend(unwatched)), None, a0),
         B: baseline(b),
@@ -194,6 +197,11 @@ def _methods(model: nn.Module, device: str) -> dict[str, _Method]:
         "(c) torch.compile fp32": _Method(torch.compile(c), _NoScaler(), c),
         "(d) eager fp32": _Method(d, _NoScaler(), d),
     }
+    if device == "cuda":  # (elsewhere the points are always in Inductor's kernels: (a) itself)
+        a2 = copy.deepcopy(model).to(device)
+        inductor = autoscale.Config(scaling=autoscale.ScalingConfig(point_kernel="inductor"))
+        methods[A_INDUCTOR] = _Method(torch.compile(a2, backend=autoscale.backend(inductor)), None, a2)
+    return methods
 
 
 class Result:
@@ -246,24 +254,26 @@ def _geomean(values: list[float]) -> float:
 
 def report(results: dict[str, Result], *, quick: bool, runs: int, rounds: int, steps: int, device: str) -> str:
     labels = list(next(iter(results.values())).steps[0])
+    ratios_of = [(label, column) for label, column in RATIOS if label in labels]
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
-    columns = " | ".join(column for _, column in RATIOS)
-    lines = ["| model | " + " | ".join(labels) + f" | {columns} |", "|---" * (len(labels) + len(RATIOS) + 1) + "|"]
+    columns = " | ".join(column for _, column in ratios_of)
+    lines = ["| model | " + " | ".join(labels) + f" | {columns} |", "|---" * (len(labels) + len(ratios_of) + 1) + "|"]
     # per ratio: per run, the models' ratios
     by_run = {column: [[r.steps[i][label] / r.steps[i][B] for r in results.values()] for i in range(runs)]
-              for label, column in RATIOS}
+              for label, column in ratios_of}
     for name, r in results.items():
         median = {label: statistics.median(run[label] for run in r.steps) for label in labels}
-        ratios = " | ".join(f"{statistics.median(run[label] / run[B] for run in r.steps):.3f}" for label, _ in RATIOS)
+        ratios = " | ".join(f"{statistics.median(run[label] / run[B] for run in r.steps):.3f}"
+                            for label, _ in ratios_of)
         lines.append(f"| {name} | " + " | ".join(ms(median[k]) for k in labels) + f" | {ratios} |")
     overall = {column: [_geomean(models) for models in per_run] for column, per_run in by_run.items()}
     per_run = "\n".join(
         f"| {i + 1} | " + " | ".join(f"{ratio:.3f}" for ratio in by_run["a/b"][i])
-        + " | " + " | ".join(f"{overall[column][i]:.3f}" for _, column in RATIOS) + " |" for i in range(runs))
+        + " | " + " | ".join(f"{overall[column][i]:.3f}" for _, column in ratios_of) + " |" for i in range(runs))
     names = list(results)
     phase_lines = ["| model | method | " + " | ".join(PHASES) + " | sum |", "|---" * (len(PHASES) + 3) + "|"]
     for name, r in results.items():
-        for label in (A, A_UNWATCHED, B):
+        for label in [label for label in (A, A_UNWATCHED, A_INDUCTOR, B) if label in r.phases]:
             ph = r.phases[label]
             phase_lines.append(f"| {name} | {label.split(' ')[0]} | " + " | ".join(ms(ph[p]) for p in PHASES)
                                + f" | {ms(sum(ph.values()))} |")
@@ -274,14 +284,14 @@ def report(results: dict[str, Result], *, quick: bool, runs: int, rounds: int, s
                                                                                 (A, A_UNWATCHED, B))) + " |")
     machine = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
     a_b = statistics.median(overall["a/b"])
-    summary = ", ".join(f"{column} {statistics.median(overall[column]):.3f}" for _, column in RATIOS[1:])
+    summary = ", ".join(f"{column} {statistics.median(overall[column]):.3f}" for _, column in ratios_of[1:])
     return (f"# Step-time overhead{' (--quick)' if quick else ''}\n\n{__doc__}\nMachine: {machine}, torch "
             f"{torch.__version__}, {'--quick' if quick else 'full'} run; {runs} runs of {rounds} interleaved "
             f"rounds of {steps} steps; step times are the median over runs of each run's median.\n\n"
             + "\n".join(lines)
             + f"\n\nGeometric mean over the models, median of the runs: **a/b {a_b:.3f}**, "
             f"{summary} (b'/b: the A/A control).\n\nEvery run (a/b per model, then the geometric means):\n\n| run | "
-            + " | ".join(names) + f" | {columns} |\n" + "|---" * (len(names) + len(RATIOS) + 1) + "|\n"
+            + " | ".join(names) + f" | {columns} |\n" + "|---" * (len(names) + len(ratios_of) + 1) + "|\n"
             + per_run + "\n\nMedian time of each phase of a step (forward includes the loss and `scale()`):\n\n"
             + "\n".join(phase_lines)
             + "\n\nHost reads of device values in one steady-state `step()` + `update()` (a sync each on a GPU):\n\n"

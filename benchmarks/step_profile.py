@@ -3,8 +3,9 @@
     python -m benchmarks.step_profile [--device cuda] [--quick] [--steps N] [-o FILE]
                                       # writes docs/results/step_profile[_cuda].md
 
-For each model of ``benchmarks.overhead`` and its methods (a) autoscale and (b) the baseline
-(compiled float16 with torch.amp.GradScaler), after compiling and warming up: ``--steps`` steps,
+For each model of ``benchmarks.overhead`` and its methods (a) autoscale, on CUDA (a'') autoscale
+with the scale points in Inductor's kernels, and (b) the baseline (compiled float16 with
+torch.amp.GradScaler), after compiling and warming up: ``--steps`` steps,
 each phase (forward with the loss and ``scale()``, backward, ``step()``, ``update()``) under its own
 ``torch.profiler`` session, so that every event belongs to the phase it ran in. Reported per phase:
 the median wall time (the profiler's own cost included, alike for both), the device kernels launched
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch.profiler import DeviceType, ProfilerActivity, profile
 
 from benchmarks import write_report
-from benchmarks.overhead import MODELS, PHASES, A, B, _Method, _methods
+from benchmarks.overhead import A_INDUCTOR, MODELS, PHASES, A, B, _Method, _methods
 
 TOP = 6
 T = TypeVar("T")
@@ -77,7 +78,7 @@ def measure(name: str, *, quick: bool, steps: int, device: str) -> dict[str, _Ph
     x, y = x.to(device), y.to(device)
     methods = _methods(model, device)
     results = {}
-    for label in (A, B):
+    for label in [label for label in (A, A_INDUCTOR, B) if label in methods]:  # ((a'') on CUDA only)
         for _ in range(3):  # compile and warm up
             methods[label].step(x, y, device=device)
         results[label] = _profile_steps(methods[label], x, y, steps, device)

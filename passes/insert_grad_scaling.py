@@ -79,7 +79,8 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     gm.meta["autoscale_scaling_needed"] = True
     gm.meta["autoscale_gradient_max"] = gradient_max(cfg.float8)
     layers = str(layout).split(LAYOUT_SEP)
-    state = _State(graph, scales, stats, layers, prefix=prefix, moments=bool(moments))
+    state = _State(graph, scales, stats, layers, prefix=prefix, moments=bool(moments),
+                   fused=cfg.scaling.point_kernel == "fused")
     state.requires = requires_grad_map(graph)
     points = scale_points(graph, cfg, state.requires)
     if cfg.scaling.placement == "predicted":
@@ -173,8 +174,9 @@ def _point(node: Node, reason: str, governed: list[Node], layer: Node | None = N
 class _State:
     """The scaler's state nodes in this graph, and the rescale nodes placed so far."""
 
-    def __init__(self, graph: Graph, scales: Node, stats: Node, layers: list[str], prefix: str, moments: bool) -> None:
-        self.graph, self.scales, self.stats, self.moments = graph, scales, stats, moments
+    def __init__(self, graph: Graph, scales: Node, stats: Node, layers: list[str], prefix: str, moments: bool,
+                 fused: bool) -> None:
+        self.graph, self.scales, self.stats, self.moments, self.fused = graph, scales, stats, moments, fused
         self.rows = {name: row for row, name in enumerate(layers)}
         self.prefix = prefix  # the path of the scaler's model in this graph ("" when compiled directly)
         self.sends: dict[Node, Rows] = {}  # rescale node -> the scale it sends to its input
@@ -200,7 +202,7 @@ class _State:
         with self.graph.inserting_after(after):
             node = new_node(self.graph, "call_function", rescale, (
                 x, self.scales, self.stats, tuple(sorted(out_rows)), tuple(sorted(in_rows)), tuple(sorted(record)),
-                unscale, self.moments))
+                unscale, self.moments, self.fused))
         for key in ("nn_module_stack", "stack_trace"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import struct
 import subprocess
 import sys
@@ -135,6 +136,24 @@ def test_scale_points_and_provenance_are_in_the_graph() -> None:
     emulated = [n for n in converted.graph_module.graph.nodes if n.meta.get(PROVENANCE_KEY, {}).get("emulated")]
     assert [n.args[0] for n in emulated] == ["torch._C._nn.linear"] * 3
     assert str(converted.report).startswith("converted 5 of 5 nodes to float16")
+
+
+@pytest.mark.parametrize("kernel", ["fused", "inductor"])
+def test_every_point_carries_the_configured_point_kernel(kernel: str) -> None:
+    """``ScalingConfig.point_kernel`` reaches each point's backward (it decides only on CUDA), and a
+    step computes the same either way elsewhere."""
+    model, inputs, targets = mlp_case()
+    config = dataclasses.replace(EVERYWHERE, scaling=autoscale.ScalingConfig(point_kernel=kernel))  # type: ignore[arg-type]
+    converted = convert(model, inputs, config=config)
+    assert [p.args[-1] for p in _rescales(converted)] == [kernel == "fused"] * 9
+    reference = convert(model, inputs, config=EVERYWHERE)
+    grads = []
+    for c in (converted, reference):
+        scaler = autoscale.GradScaler(c)
+        scaler.scale(loss_of(c, inputs, targets)).backward()
+        grads.append([p.grad.clone() for p in c.parameters()])  # type: ignore[union-attr]
+        c.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_gradscaler_on_the_converted_module_uses_its_state_skips_overflows_and_updates_scales() -> None:

@@ -518,6 +518,28 @@ def test_follows_the_model_to_cuda() -> None:
     assert _train_steps(model, scaler, opt, compiled, x.cuda(), y.cuda(), 2) == [False, False]
 
 
+@pytest.mark.gpu
+def test_points_in_inductors_kernels_compute_what_the_fused_kernel_does_on_cuda() -> None:
+    """``ScalingConfig(point_kernel="inductor")`` on CUDA: the points are plain torch in Inductor's
+    kernels, as on a CPU. Two steps give the fused kernel's gradients, scales and statistics."""
+    model, (x,), y = mlp_case()
+    x, y = x.cuda(), y.cuda()
+    results = []
+    for kernel in ("fused", "inductor"):
+        m = copy.deepcopy(model).cuda()
+        scaler = GradScaler(m)
+        config = autoscale.Config(scaling=ScalingConfig(point_kernel=kernel))  # type: ignore[arg-type]
+        compiled = torch.compile(m, backend=autoscale.backend(config))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        assert _train_steps(m, scaler, opt, compiled, x, y, 2) == [False, False]
+        scaler.scale(F.cross_entropy(compiled(x), y)).backward()
+        results.append(([p.grad.clone() for p in m.parameters()], [layer.scale for layer in scaler.layers()]))
+        torch._dynamo.reset()
+    (fused_grads, fused_scales), (grads, scales) = results
+    assert scales == fused_scales
+    assert all(torch.equal(a, b) for a, b in zip(grads, fused_grads, strict=True))
+
+
 @pytest.mark.parametrize("mode", ["dynamic", "adaptive"])
 def test_lr_schedules_stay_in_step_with_skipped_steps(mode: str) -> None:
     """pytorch#67590: an LR schedule must not advance on a skipped step. Two recipes
