@@ -206,7 +206,7 @@ def test_rescale_blames_non_finite_values_on_the_scale_that_made_them(monkeypatc
     # what CUDA's kernel reports apart, an overflow the unscale made (a float16 parameter's gradient
     # whose layer scale fell below 1), is the layer's too, not lost
     def like_cuda(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
-                  moments: bool = False, zeros: bool = False) -> tuple[torch.Tensor, Measured]:
+                  moments: bool = False, zeros: bool = False, fused: bool = True) -> tuple[torch.Tensor, Measured]:
         out, fstats, counts = scale_grad_reference(grad, factor, carried)
         return out, Measured.from_counts(fstats, counts, leaving=leaving)
     monkeypatch.setattr(autoscale.measure, "scale_and_measure", like_cuda)
