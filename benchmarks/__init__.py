@@ -19,6 +19,12 @@ def notes_of(path: Path) -> str:
     return text[text.index(NOTES_HEADING):] if NOTES_HEADING in text else ""
 
 
+def results_path(stem: str, *, quick: bool = False, device: str = "cpu") -> Path:
+    """docs/results/<stem>[_quick][_<device>].md: where a benchmark's report goes by default."""
+    suffix = ("_quick" if quick else "") + ("" if device == "cpu" else f"_{device}")
+    return Path(__file__).resolve().parent.parent / "docs" / "results" / f"{stem}{suffix}.md"
+
+
 def write_report(path: Path, text: str) -> None:
     """Write a report's ``text`` to ``path``, keeping the hand-written analysis of the report already
     there (``notes_of``) after it."""

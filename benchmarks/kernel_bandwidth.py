@@ -21,9 +21,10 @@ import itertools
 import sys
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
+
+from benchmarks import results_path, write_report
 
 SIZES = (20, 22, 24, 26, 28)
 
@@ -101,7 +102,7 @@ def main() -> None:
     if args.sweep:
         text += "\n## Launch shapes (CUDA graphs)\n\n" + "\n".join(sweep(factor, carried)) + "\n"
     print(text)
-    Path(__file__).resolve().parent.parent.joinpath("docs", "results", "kernels.md").write_text(text)
+    write_report(results_path("kernels"), text)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoscale
-from benchmarks import write_report
+from benchmarks import results_path, write_report
 from benchmarks.host_reads import HostReads
 from benchmarks.numerics.tasks import Block
 
@@ -308,8 +308,7 @@ def main() -> None:
     rounds, steps = 15, 5
     results = {name: measure(name, args.quick, args.runs, rounds, steps, args.device) for name in MODELS}
     text = report(results, quick=args.quick, runs=args.runs, rounds=rounds, steps=steps, device=args.device)
-    suffix = ("_quick" if args.quick else "") + ("" if args.device == "cpu" else f"_{args.device}")
-    path = args.output or Path(__file__).resolve().parent.parent / "docs" / "results" / f"overhead{suffix}.md"
+    path = args.output or results_path("overhead", quick=args.quick, device=args.device)
     write_report(path, text)
     print(text)
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import DeviceType, ProfilerActivity, profile
 
-from benchmarks import write_report
+from benchmarks import results_path, write_report
 from benchmarks.overhead import A_INDUCTOR, MODELS, PHASES, A, B, _Method, _methods
 
 TOP = 6
@@ -111,8 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     results = {name: measure(name, quick=args.quick, steps=args.steps, device=args.device) for name in args.models}
     text = report(results, quick=args.quick, steps=args.steps, device=args.device)
-    suffix = ("_quick" if args.quick else "") + ("" if args.device == "cpu" else f"_{args.device}")
-    path = args.output or Path(__file__).resolve().parent.parent / "docs" / "results" / f"step_profile{suffix}.md"
+    path = args.output or results_path("step_profile", quick=args.quick, device=args.device)
     write_report(path, text)
     print(text)
 
