@@ -45,7 +45,7 @@ for name in "${steps[@]}"; do
         step overhead 240 "$py" -m benchmarks.overhead --device cuda
         cp docs/results/overhead_cuda.md "$out/" 2>/dev/null ;;
     overhead_quick)
-        step overhead_quick 120 "$py" -m benchmarks.overhead --device cuda --quick
+        step overhead_quick 180 "$py" -m benchmarks.overhead --device cuda --quick
         cp docs/results/overhead_quick_cuda.md "$out/" 2>/dev/null ;;
     profile)
         step profile 120 "$py" -m benchmarks.step_profile --device cuda --steps 3 --models MLP "transformer block"
