@@ -40,14 +40,12 @@ host's reads of device values in a steady-state ``step()`` + ``update()`` (each 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch._dynamo
@@ -57,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoscale
-from benchmarks import results_path, write_report
+from benchmarks import publish, step_parser
 from benchmarks.host_reads import HostReads
 from benchmarks.numerics.tasks import Block
 
@@ -136,7 +134,7 @@ class _Method:
 
     def __init__(self, run: Callable[..., Any], scaler: Any, owner: nn.Module) -> None:
         self.run, self.owner = run, owner
-        self.scaler = scaler if scaler is not None else autoscale.GradScaler(run)
+        self.scaler = scaler if scaler is not None else autoscale.GradScaler(cast(nn.Module, run))
         self.opt = torch.optim.SGD(owner.parameters(), lr=1e-3)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, phases: dict[str, list[float]] | None = None,
@@ -299,18 +297,13 @@ def report(results: dict[str, Result], *, quick: bool, runs: int, rounds: int, s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small models (2-3 ms steps; about 3 minutes)")
+    parser = step_parser(__doc__, "overhead", "small models (2-3 ms steps; about 3 minutes)")
     parser.add_argument("--runs", type=int, default=3, help="measurement runs after one compile (default 3)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("-o", "--output", type=Path, help="report path (default docs/results/overhead*.md)")
     args = parser.parse_args()
     rounds, steps = 15, 5
     results = {name: measure(name, args.quick, args.runs, rounds, steps, args.device) for name in MODELS}
-    text = report(results, quick=args.quick, runs=args.runs, rounds=rounds, steps=steps, device=args.device)
-    path = args.output or results_path("overhead", quick=args.quick, device=args.device)
-    write_report(path, text)
-    print(text)
+    publish(report(results, quick=args.quick, runs=args.runs, rounds=rounds, steps=steps, device=args.device),
+            "overhead", args)
 
 
 if __name__ == "__main__":

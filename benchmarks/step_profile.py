@@ -16,19 +16,17 @@ much slower a step is, this says of what.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import DeviceType, ProfilerActivity, profile
 
-from benchmarks import results_path, write_report
+from benchmarks import publish, step_parser
 from benchmarks.overhead import A_INDUCTOR, MODELS, PHASES, A, B, _Method, _methods
 
 TOP = 6
@@ -102,18 +100,12 @@ def report(results: dict[str, dict[str, _PhaseProfile]], *, quick: bool, steps: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the small models")
+    parser = step_parser(__doc__, "step_profile", "the small models")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps per method (default 5)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("-o", "--output", type=Path, help="report path (default docs/results/step_profile*.md)")
     args = parser.parse_args()
     results = {name: measure(name, quick=args.quick, steps=args.steps, device=args.device) for name in args.models}
-    text = report(results, quick=args.quick, steps=args.steps, device=args.device)
-    path = args.output or results_path("step_profile", quick=args.quick, device=args.device)
-    write_report(path, text)
-    print(text)
+    publish(report(results, quick=args.quick, steps=args.steps, device=args.device), "step_profile", args)
 
 
 if __name__ == "__main__":
