@@ -53,7 +53,7 @@ for name in "${steps[@]}"; do
     kernel_tests)  # the kernel's tests alone, run natively
         step kernel_tests 60 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py ;;
     gpu_tests)  # the GPU-marked tests, and the kernel's tests run natively
-        step gpu_tests 120 bash -c "'$py' -m pytest -q -p no:cacheprovider tests/test_kernels.py;
+        step gpu_tests 180 bash -c "'$py' -m pytest -q -p no:cacheprovider tests/test_kernels.py;
                                     '$py' -m pytest -q -p no:cacheprovider -m gpu tests" ;;
     suite)  # the default suite, spread over the machine's cores
         step suite "${SUITE_S:-300}" "$py" -m pytest -q -p no:cacheprovider -m "not slow" -n 16 ;;
