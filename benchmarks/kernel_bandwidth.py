@@ -41,6 +41,11 @@ def _gradient(exponent: int) -> torch.Tensor:
     return torch.randn(2**exponent, device="cuda", dtype=torch.float16) * 1e-3
 
 
+def _moved(g: torch.Tensor) -> int:
+    """The bytes a pass over ``g`` must move: one read of it, one write of the result."""
+    return 2 * g.numel() * g.element_size()
+
+
 def table(factor: torch.Tensor, carried: torch.Tensor) -> list[str]:
     from autoscale.kernels.reference import scale_grad_reference
     from autoscale.kernels.scale_grad import scale_grad
@@ -50,7 +55,7 @@ def table(factor: torch.Tensor, carried: torch.Tensor) -> list[str]:
     for exponent in SIZES:
         g = _gradient(exponent)
         out = torch.empty_like(g)
-        moved = 2 * g.numel() * g.element_size()
+        moved = _moved(g)
         fused, copy = partial(scale_grad, g, factor, carried), partial(out.copy_, g)
         loop = [_gbs(moved, fn, graph=False) for fn in (fused, copy)]
         graph = [_gbs(moved, fn, graph=True) for fn in (fused, copy)]
@@ -67,14 +72,14 @@ def sweep(factor: torch.Tensor, carried: torch.Tensor) -> list[str]:
 
     exponents = (24, 28)
     grads = {e: _gradient(e) for e in exponents}
-    copies = {e: max(_gbs(4 * g.numel(), partial(torch.empty_like(g).copy_, g), graph=graph) for graph in (False, True))
+    copies = {e: max(_gbs(_moved(g), partial(torch.empty_like(g).copy_, g), graph=graph) for graph in (False, True))
               for e, g in grads.items()}
     lines = ["| block | warps | programs per SM | " + " | ".join(f"2^{e} GB/s (of copy)" for e in exponents)
              + " |", "|---|---|---|" + "---|" * len(exponents)]
     best: tuple[float, Launch] = (0.0, LAUNCH)
     for block, warps, per_sm in itertools.product((1024, 2048, 4096), (4, 8), (1, 2, 4, 8)):
         launch = Launch(block=block, num_warps=warps, programs_per_sm=per_sm)
-        rates = [_gbs(4 * g.numel(), partial(scale_grad_triton, g, factor, carried, launch=launch), graph=True)
+        rates = [_gbs(_moved(g), partial(scale_grad_triton, g, factor, carried, launch=launch), graph=True)
                  for g in grads.values()]
         fractions = [rate / copies[e] for rate, e in zip(rates, exponents, strict=True)]
         best = max(best, (min(fractions), launch), key=lambda b: b[0])
