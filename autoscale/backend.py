@@ -201,7 +201,7 @@ def reach_state(gm: GraphModule, example_inputs: Sequence[Any]
         p._dynamo_source = None  # (AOTAutograd asks; user code has none)
     with graph.inserting_after(added[-1]):
         attach = graph.call_function(torch.ops.autoscale.attach.default, (
-            *added, state.layout, state.moments, state.forward.promoted_key))
+            *added, state.layout, state.moments, state.forward.promoted_key, state.instance))
     attach.meta[PREFIX_KEY] = prefix
     for node in (*added, attach):
         provenance(node, "reach_state", "the GradScaler's state, for a graph after a graph break", created=True)

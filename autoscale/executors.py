@@ -4,8 +4,14 @@ Both run AOTAutograd on the graph (so the backward is derived through the insert
 the joint stage of the pipeline on its joint forward+backward graph before partitioning:
 
 * ``inductor`` hands the graph to Inductor's ``compile_fx``, with the joint stage as its
-  ``joint_custom_pre_pass`` and ``emulate_precision_casts`` on (without it Inductor drops
-  float32 -> float16 -> float32 round trips inside fused kernels, silently computing in float32);
+  ``joint_custom_pre_pass``, ``emulate_precision_casts`` on (without it Inductor drops
+  float32 -> float16 -> float32 round trips inside fused kernels, silently computing in float32)
+  and ``static_launch_user_defined_triton_kernels`` on: the fused scale kernel is a user-defined
+  Triton kernel, which Inductor otherwise launches through Triton's own Python launcher
+  (``cuLaunchKernelEx`` in a profile) rather than its static launcher, at every scale point of
+  every step of a launch-bound backward (docs/results/step_profile_cuda.md). A kernel the static
+  launcher cannot take falls back to Triton's launcher, as Inductor's own do; on a CPU the
+  setting does nothing;
 * ``eager`` runs AOTAutograd's graphs as they are (but for ``view``, see :func:`_run_views_as_reshapes`),
   with the joint stage in the partitioner.
 """
@@ -85,7 +91,8 @@ def inductor_keeps_roundings() -> bool:
 def compile_inductor(gm: GraphModule, example_inputs: Sequence[Any], stage: JointStage) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {"emulate_precision_casts": True, "joint_custom_pre_pass": _JointPass(stage)}
+    patches = {"emulate_precision_casts": True, "joint_custom_pre_pass": _JointPass(stage),
+               "static_launch_user_defined_triton_kernels": True}
     compiled: Callable[..., Any] = compile_fx(gm, list(example_inputs), config_patches=patches)  # type: ignore[assignment]
     return compiled
 

@@ -111,22 +111,23 @@ class Measured(NamedTuple):
     zeros: torch.Tensor | None = None
 
     @staticmethod
-    def from_counts(fstats: torch.Tensor, counts: torch.Tensor, *, leaving: bool) -> Measured:
-        """From the fused kernel's ``(fstats, counts)`` (``autoscale.kernels.reference``)."""
-        arrived, made = counts[0] > 0, counts[3] > 0
+    def from_stats(stats: torch.Tensor, *, leaving: bool) -> Measured:
+        """From the fused op's statistics (float64, laid out as ``autoscale.kernels.reference.STATS``)."""
+        amax, total, squares, arrived, _, zeros, made, _ = stats.float().unbind()
         made_mark = math.inf if leaving else -1.0
-        value = torch.where(arrived, math.inf, torch.where(made, made_mark, fstats[0]))
-        return Measured(value, fstats[1], fstats[2], counts[2].float())
+        value = torch.where(arrived > 0, math.inf, torch.where(made > 0, made_mark, amax))
+        return Measured(value, total, squares, zeros)
 
 
-def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
+def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
                       moments: bool = False, zeros: bool = False, fused: bool = True
                       ) -> tuple[torch.Tensor, Measured]:
-    """The point's output, ``grad·factor`` in grad's dtype, and its ``Measured``.
+    """The point's output, ``grad·factor`` in grad's dtype with ``factor = scale / carried`` (the
+    scale the gradient leaves with over the one it arrived with), and its ``Measured``.
 
     On CUDA with ``fused``, the fused Triton kernel (imported on first use: ``import autoscale``
-    stays triton-free): one pass, but a launch of its own and three small ones around it, which a
-    launch-bound step pays for (docs/results/overhead_cuda.md). Elsewhere, plain torch that
+    stays triton-free): one pass, but a launch of its own and one that zeroes its statistics, which
+    a launch-bound step pays for (docs/results/overhead_cuda.md). Elsewhere, plain torch that
     Inductor fuses into the kernel of the backward op next to it, computing only what is asked
     for: one reduction, ``max |g|``, which carries inf and nan through, and from which the value
     follows.
@@ -147,13 +148,14 @@ def scale_and_measure(grad: torch.Tensor, factor: torch.Tensor, carried: torch.T
     if fused and grad.device.type == "cuda":
         import autoscale.kernels.scale_grad  # noqa: F401  (registers autoscale::scale_grad)
 
-        out, fstats, counts = torch.ops.autoscale.scale_grad(grad, factor, carried)
-        return out, Measured.from_counts(fstats, counts, leaving=leaving)
+        out, stats = torch.ops.autoscale.scale_grad(grad, scale, carried)
+        return out, Measured.from_stats(stats, leaving=leaving)
+    factor = scale / carried
     g = grad.float()
     scaled = g * factor.float()
     if leaving:
         out = scaled.to(grad.dtype)
-        measured, unit_scale = out.float(), factor.float() * carried.float()  # out at unit scale: out / scale
+        measured, unit_scale = out.float(), scale.float()  # out at unit scale: out / scale
     else:
         measured, unit_scale = g, carried.float()
     magnitude = measured.abs()
@@ -209,9 +211,18 @@ def _row_scales(scales: torch.Tensor) -> list[torch.Tensor]:
     return torch.ops.aten.unbind_copy.int(scales)
 
 
+def _row_scales_cuda(scales: torch.Tensor) -> list[torch.Tensor]:
+    """``_row_scales`` in one launch: ``unbind_copy`` launches a copy per row, and a step whose
+    host launches bind it pays for each (a T5 has hundreds of rows); on a CPU it is the faster."""
+    rows = [torch.empty((), dtype=scales.dtype, device=scales.device) for _ in range(scales.shape[0])]
+    torch._foreach_copy_(rows, scales.unbind())
+    return rows
+
+
 _LIBRARY = torch.library.Library("autoscale", "FRAGMENT")
 _LIBRARY.define("row_scales(Tensor scales) -> Tensor[]")
 _LIBRARY.impl("row_scales", _row_scales, "CompositeExplicitAutograd")
+_LIBRARY.impl("row_scales", _row_scales_cuda, "CUDA")
 
 
 def _row_scales_fake(scales: torch.Tensor) -> list[torch.Tensor]:
@@ -257,9 +268,8 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     value (``MODES``).
     """
     each = _rows_of(scales)
-    carried = _max_of(each, in_rows)
-    factor = _max_of(each, out_rows) / carried
-    out, m = scale_and_measure(grad, factor, carried, leaving=unscale, moments=moments, zeros=unscale, fused=fused)
+    out, m = scale_and_measure(grad, _max_of(each, out_rows), _max_of(each, in_rows), leaving=unscale,
+                               moments=moments, zeros=unscale, fused=fused)
     values: list[torch.Tensor] = []
     cells: list[int] = []
     modes: list[int] = []

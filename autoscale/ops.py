@@ -66,17 +66,20 @@ def gradient_max(float8: bool) -> float:
 
 @torch.library.custom_op("autoscale::attach", mutates_args=("stats", "peaks"))
 def attach(scales: torch.Tensor, stats: torch.Tensor, peaks: torch.Tensor, layout: str, moments: bool,
-           promoted: str) -> None:
+           promoted: str, instance: str = "") -> None:
     """Does nothing. ``GradScaler`` calls it at the top of the model's forward so that Dynamo lifts
     the state tensors into the graph as inputs; the backend finds it, reads ``layout`` (the layer
     of each row), ``moments`` (whether the scaler's rule needs Σ g and Σ g²) and ``promoted`` (the
     forward-overflow sites learnt at run time, ``PROMOTED_SEP``-separated) and removes it. Dynamo
-    guards on the strings, so a new promotion recompiles the graph: that is how a repair lands."""
+    guards on the strings, so a new promotion recompiles the graph: that is how a repair lands.
+    ``instance`` names the state (``ScaleState.instance``) for the same reason: a copy of the model
+    (``copy.deepcopy``) has a state of its own, and without it Dynamo's guards let the copy run the
+    graph compiled for the original, which the copy's scaler knows nothing of."""
 
 
 @attach.register_fake
 def _(scales: torch.Tensor, stats: torch.Tensor, peaks: torch.Tensor, layout: str, moments: bool,
-      promoted: str) -> None:
+      promoted: str, instance: str = "") -> None:
     return None
 
 
@@ -89,6 +92,7 @@ class Attached(NamedTuple):
     layout: str
     moments: bool
     promoted: str
+    instance: str = ""
 
 
 # The marker ops carry lists of names packed into one string (a custom op's schema has ``str``,

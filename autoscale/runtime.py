@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import itertools
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -60,6 +61,7 @@ class ScaleState:
         self.graph_stats: list[torch.Tensor] = []
         self.layers: tuple[str, ...] = (_LOSS_NAME, *layer_names)
         self.layout = LAYOUT_SEP.join(self.layers)
+        self.instance = _new_instance()  # (``autoscale.ops.attach``: a graph per state, copies included)
         device = next((p.device for p in root.parameters()), torch.device("cpu"))
         scales = torch.ones(len(self.layers), device=device)  # the backend seeds layers from its analysis
         root.register_buffer(_SCALES, scales, persistent=False)
@@ -90,6 +92,7 @@ class ScaleState:
                  "_registered": None, "_any_view": None}
         for key, value in vars(self).items():
             setattr(new, key, fresh[key] if key in fresh else copy.deepcopy(value, memo))
+        new.instance = _new_instance()
         _COPIES.add(new)
         return new
 
@@ -161,6 +164,12 @@ class IdentitySet:
 _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # scales tensor -> its ScaleState
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref to its model's ScaleState
 _COPIES: weakref.WeakSet[ScaleState] = weakref.WeakSet()  # states of copied models, not registered yet
+_INSTANCES = itertools.count()
+
+
+def _new_instance() -> str:
+    """A name no other ScaleState of this process has (``ScaleState.instance``)."""
+    return str(next(_INSTANCES))
 
 
 def _adopt_copies() -> None:
@@ -231,7 +240,7 @@ def _attach(m: nn.Module) -> None:
     """``install_state``'s announcement: ``m``'s state, looked up on ``m`` (a copy has its own)."""
     state = getattr(m, _STATE_ATTR)
     torch.ops.autoscale.attach(getattr(m, _SCALES), getattr(m, _STATS), getattr(m, _PEAKS), state.layout,
-                               state.moments, state.forward.promoted_key)
+                               state.moments, state.forward.promoted_key, state.instance)
 
 
 def announce_in_forward(root: nn.Module, announce: Callable[[nn.Module], None]) -> None:

@@ -207,6 +207,12 @@ class CompiledUpdate:
                     self._fall_back(f"{type(e).__name__}: {e}")
             self._fn(*tensors, **constants)
 
+    def compiled(self, variant: Hashable) -> Callable[..., None] | None:
+        """What a call of ``variant`` runs once compiled and checked: a function of the call's
+        non-None tensors, in order (``fn``'s constants are compiled in). None if it is not compiled
+        (not yet, not asked to be, or failed: calls run eagerly)."""
+        return None if self._failed else self._variants.get(variant)
+
     def _first_call(self, tensors: Sequence[torch.Tensor | None], present: list[torch.Tensor], variant: Hashable,
                     constants: dict[str, Any]) -> None:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # (Inductor: only when compiling)

@@ -46,7 +46,7 @@ def _moved(g: torch.Tensor) -> int:
     return 2 * g.numel() * g.element_size()
 
 
-def table(factor: torch.Tensor, carried: torch.Tensor) -> list[str]:
+def table(scale: torch.Tensor, carried: torch.Tensor) -> list[str]:
     from autoscale.kernels.reference import scale_grad_reference
     from autoscale.kernels.scale_grad import scale_grad
 
@@ -56,17 +56,17 @@ def table(factor: torch.Tensor, carried: torch.Tensor) -> list[str]:
         g = _gradient(exponent)
         out = torch.empty_like(g)
         moved = _moved(g)
-        fused, copy = partial(scale_grad, g, factor, carried), partial(out.copy_, g)
+        fused, copy = partial(scale_grad, g, scale, carried), partial(out.copy_, g)
         loop = [_gbs(moved, fn, graph=False) for fn in (fused, copy)]
         graph = [_gbs(moved, fn, graph=True) for fn in (fused, copy)]
-        reference = _gbs(moved, partial(scale_grad_reference, g, factor, carried), graph=False)
+        reference = _gbs(moved, partial(scale_grad_reference, g, scale / carried, carried), graph=False)
         ceiling = max(loop[1], graph[1])  # (a copy replayed in a graph ran slower at 2^28 on an H200)
         lines.append(f"| 2^{exponent} | {loop[0]:.0f} / {graph[0]:.0f} | {loop[1]:.0f} / {graph[1]:.0f} "
                      f"| {loop[0] / ceiling:.2f} / {graph[0] / ceiling:.2f} | {reference:.0f} |")
     return lines
 
 
-def sweep(factor: torch.Tensor, carried: torch.Tensor) -> list[str]:
+def sweep(scale: torch.Tensor, carried: torch.Tensor) -> list[str]:
     """Every launch shape at 2^24 and 2^28 elements, in CUDA graphs, against the faster copy."""
     from autoscale.kernels.scale_grad import LAUNCH, Launch, scale_grad_triton
 
@@ -79,7 +79,7 @@ def sweep(factor: torch.Tensor, carried: torch.Tensor) -> list[str]:
     best: tuple[float, Launch] = (0.0, LAUNCH)
     for block, warps, per_sm in itertools.product((1024, 2048, 4096), (4, 8), (1, 2, 4, 8)):
         launch = Launch(block=block, num_warps=warps, programs_per_sm=per_sm)
-        rates = [_gbs(_moved(g), partial(scale_grad_triton, g, factor, carried, launch=launch), graph=True)
+        rates = [_gbs(_moved(g), partial(scale_grad_triton, g, scale, carried, launch=launch), graph=True)
                  for g in grads.values()]
         fractions = [rate / copies[e] for rate, e in zip(rates, exponents, strict=True)]
         best = max(best, (min(fractions), launch), key=lambda b: b[0])
@@ -98,14 +98,14 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_bandwidth needs a CUDA GPU")
-    factor, carried = torch.tensor(2.0**4, device="cuda"), torch.tensor(2.0**10, device="cuda")
+    scale, carried = torch.tensor(2.0**14, device="cuda"), torch.tensor(2.0**10, device="cuda")
     from autoscale.kernels.scale_grad import LAUNCH
 
     name = torch.cuda.get_device_name()
     text = (f"# Fused scale kernel bandwidth\n\n{__doc__}\nDevice: {name}, torch {torch.__version__}; "
-            f"launch {LAUNCH}.\n\n" + "\n".join(table(factor, carried)) + "\n")
+            f"launch {LAUNCH}.\n\n" + "\n".join(table(scale, carried)) + "\n")
     if args.sweep:
-        text += "\n## Launch shapes (CUDA graphs)\n\n" + "\n".join(sweep(factor, carried)) + "\n"
+        text += "\n## Launch shapes (CUDA graphs)\n\n" + "\n".join(sweep(scale, carried)) + "\n"
     print(text)
     write_report(results_path("kernels"), text)
 

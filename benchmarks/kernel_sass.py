@@ -30,8 +30,8 @@ from triton.backends.compiler import GPUTarget
 
 from autoscale.kernels.scale_grad import LAUNCH, _scale_grad_kernel
 
-SIGNATURE = {"g_ptr": "*fp16", "out_ptr": "*fp16", "fstats_ptr": "*fp32", "counts_ptr": "*i64", "factor_ptr": "*fp32",
-             "carried_ptr": "*fp32", "n": "i32", "BLOCK_SIZE": "constexpr"}
+SIGNATURE = {"g_ptr": "*fp16", "out_ptr": "*fp16", "stats_ptr": "*fp64", "scale_ptr": "*fp32", "carried_ptr": "*fp32",
+             "n": "i32", "BLOCK_SIZE": "constexpr"}
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 _BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
 
@@ -50,7 +50,7 @@ def sass(block: int, num_warps: int) -> str:
     if os.environ.get("TRITON_INTERPRET") == "1":  # (the interpreter patches triton.language: no compile)
         raise RuntimeError("compiling for sm_90 needs TRITON_INTERPRET unset")
     source = triton.compiler.ASTSource(fn=_scale_grad_kernel, signature=SIGNATURE, constexprs={"BLOCK_SIZE": block},
-                                       attrs={(i,): [["tt.divisibility", 16]] for i in range(7)})
+                                       attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

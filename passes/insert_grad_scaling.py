@@ -68,7 +68,7 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     found = attach_of(graph)
     if found is None:  # no GradScaler state in this graph: nothing to scale with
         return PassResult(gm, modified=False, counts={"scale_points": 0})
-    attach, (scales, stats, _, layout, moments, _), prefix = found
+    attach, (scales, stats, _, layout, moments, *_), prefix = found
     gm.meta["autoscale_scales_input"] = list(graph.find_nodes(op="placeholder")).index(scales)
     if cfg.dtype == torch.bfloat16 and not cfg.float8:
         # bfloat16 has float32's exponent range: a gradient float32 keeps does not underflow in it

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autoscale.measure
-from autoscale.kernels.reference import scale_grad_reference
+from autoscale.kernels.reference import STATS, pack, scale_grad_reference
 from autoscale.kernels.scale_grad import BLOCK, Launch, scale_grad_triton
 from autoscale.measure import ARRIVED, BAD, MADE, NUM_STATS, PEAK, STAT, Measured, scale_and_measure, taken
 from autoscale.ops import rescale
@@ -27,11 +27,13 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 
 def _check(grad: torch.Tensor, factor: float, carried: float, launch: Launch | None = None) -> None:
     f, c = torch.tensor(factor, device=grad.device), torch.tensor(carried, device=grad.device)
-    out, fstats, counts = scale_grad_triton(grad, f, c, **({} if launch is None else {"launch": launch}))
+    out, stats = scale_grad_triton(grad, f * c, c, **({} if launch is None else {"launch": launch}))
     ref_out, ref_fstats, ref_counts = scale_grad_reference(grad, f, c)
     assert out.dtype == grad.dtype and out.shape == grad.shape
+    assert stats.dtype == torch.float64 and stats.shape == (len(STATS),)
     assert torch.equal(out, ref_out)
-    assert torch.equal(counts.cpu(), ref_counts.cpu())
+    assert stats[3:].tolist() == ref_counts.tolist()
+    fstats = stats[:3].float()
     assert fstats[0].item() == ref_fstats[0].item()  # a max: exact
     # Sums agree to float32 rounding: a float32 sum of n terms in any order is within
     # n·2⁻²³·Σ|term| of the exact one (the kernel adds per-program partial sums, in another order).
@@ -77,13 +79,13 @@ def test_cpu_path_measures_what_the_reference_counts(size: int, data: st.DataObj
     base = torch.tensor(fill or [0.0], dtype=torch.float32)
     grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
     f, c = torch.tensor(factor), torch.tensor(carried)
-    out, m = scale_and_measure(grad, f, c, moments=True, zeros=True)
+    out, m = scale_and_measure(grad, f * c, c, moments=True, zeros=True)
     ref_out, fstats, counts = scale_grad_reference(grad, f, c)
     assert torch.equal(out, ref_out)
     assert m.total is not None and m.squares is not None and m.zeros is not None
     assert [m.total.item(), m.squares.item(), m.zeros.item()] == [*fstats[1:].tolist(), counts[2].item()]
-    _reads_alike(m.value, Measured.from_counts(fstats, counts, leaving=False).value)
-    lean = scale_and_measure(grad, f, c)[1]  # (what a point records by default: the same, and no more)
+    _reads_alike(m.value, Measured.from_stats(pack(fstats, counts), leaving=False).value)
+    lean = scale_and_measure(grad, f * c, c)[1]  # (what a point records by default: the same, and no more)
     assert lean.total is None and lean.squares is None and lean.zeros is None
     assert torch.equal(lean.value, m.value) or (lean.value.isnan() and m.value.isnan())
 
@@ -107,16 +109,16 @@ def test_cpu_path_for_a_leaving_gradient_measures_its_output(size: int, data: st
     base = torch.tensor(fill or [0.0], dtype=torch.float32)
     grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
     f, c = torch.tensor(factor), torch.tensor(carried)
-    out, m = scale_and_measure(grad, f, c, leaving=True, moments=True, zeros=True)
+    out, m = scale_and_measure(grad, f * c, c, leaving=True, moments=True, zeros=True)
     torch.testing.assert_close(out, (grad.float() * f).to(dtype), rtol=0, atol=0, equal_nan=True)  # exactly
     _, fstats, counts = scale_grad_reference(out, torch.tensor(1.0), f * c)
     assert m.total is not None and m.squares is not None and m.zeros is not None
     assert [m.total.item(), m.squares.item(), m.zeros.item()] == [*fstats[1:].tolist(), counts[2].item()]
-    _reads_alike(m.value, Measured.from_counts(fstats, counts, leaving=True).value)
+    _reads_alike(m.value, Measured.from_stats(pack(fstats, counts), leaving=True).value)
     assert taken(MADE, m.value).item() == 0.0  # (a leaving gradient's non-finite values all read as arrived)
     if dtype == torch.float32:
         _, fstats_in, counts_in = scale_grad_reference(grad, f, c)
-        _reads_alike(m.value, Measured.from_counts(fstats_in, counts_in, leaving=True).value)
+        _reads_alike(m.value, Measured.from_stats(pack(fstats_in, counts_in), leaving=True).value)
         assert int(m.zeros) == int(counts_in[2])
 
 
@@ -161,23 +163,24 @@ def test_counts_mean_what_they_say() -> None:
 def test_op_has_fake_impl_and_reference_cpu_path() -> None:
     """``autoscale::scale_grad`` traces under fake tensors and runs the reference on CPU."""
     g = torch.tensor([1.0, 0.0, 2.0**-24], dtype=torch.float16)
-    f, c = torch.tensor(0.5), torch.tensor(1.0)
-    out, fstats, counts = torch.ops.autoscale.scale_grad(g, f, c)
-    ref = scale_grad_reference(g, f, c)
-    assert torch.equal(out, ref[0]) and torch.equal(counts, ref[2])
+    scale, c = torch.tensor(0.5), torch.tensor(2.0)
+    out, stats = torch.ops.autoscale.scale_grad(g, scale, c)
+    ref = scale_grad_reference(g, scale / c, c)
+    assert torch.equal(out, ref[0]) and torch.equal(stats, pack(*ref[1:]))
     with torch._subclasses.FakeTensorMode() as mode:
-        fake_out, fake_fstats, fake_counts = torch.ops.autoscale.scale_grad(
-            mode.from_tensor(g), mode.from_tensor(f), mode.from_tensor(c))
-    assert fake_out.shape == g.shape and fake_counts.dtype == torch.int64 and fake_fstats.shape == (3,)
+        fake_out, fake_stats = torch.ops.autoscale.scale_grad(
+            mode.from_tensor(g), mode.from_tensor(scale), mode.from_tensor(c))
+    assert fake_out.shape == g.shape and fake_stats.dtype == torch.float64 and fake_stats.shape == (len(STATS),)
 
 
 def test_row_scales_hands_each_row_in_a_storage_of_its_own() -> None:
     """``autoscale::row_scales`` (what a point reads its scales from): each row's value, in its own
     storage as its schema promises (no output aliases the input or another), and a fake impl."""
     scales = torch.tensor([1.0, 2.0**15, 0.5])
-    rows = autoscale.measure.row_scales(scales)
-    assert [r.item() for r in rows] == scales.tolist() and all(r.dim() == 0 for r in rows)
-    assert len({r.untyped_storage().data_ptr() for r in rows} | {scales.untyped_storage().data_ptr()}) == 4
+    # (the op, and CUDA's implementation of it, which copies every row in one launch)
+    for rows in (autoscale.measure.row_scales(scales), autoscale.measure._row_scales_cuda(scales)):
+        assert [r.item() for r in rows] == scales.tolist() and all(r.dim() == 0 for r in rows)
+        assert len({r.untyped_storage().data_ptr() for r in rows} | {scales.untyped_storage().data_ptr()}) == 4
     torch.library.opcheck(torch.ops.autoscale.row_scales.default, (scales,))
 
 
@@ -205,10 +208,10 @@ def test_rescale_blames_non_finite_values_on_the_scale_that_made_them(monkeypatc
     assert stats[:, nonfinite].tolist() == [0.0, 1.0] and out.tolist() == [0.25, float("inf")]
     # what CUDA's kernel reports apart, an overflow the unscale made (a float16 parameter's gradient
     # whose layer scale fell below 1), is the layer's too, not lost
-    def like_cuda(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
+    def like_cuda(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
                   moments: bool = False, zeros: bool = False, fused: bool = True) -> tuple[torch.Tensor, Measured]:
-        out, fstats, counts = scale_grad_reference(grad, factor, carried)
-        return out, Measured.from_counts(fstats, counts, leaving=leaving)
+        out, fstats, counts = scale_grad_reference(grad, scale / carried, carried)
+        return out, Measured.from_stats(pack(fstats, counts), leaving=leaving)
     monkeypatch.setattr(autoscale.measure, "scale_and_measure", like_cuda)
     out, stats = _through_rescale(torch.tensor([1.0, 40000.0], dtype=torch.float16), [1.0, 0.5], (0,), (1,),
                                   unscale=True)

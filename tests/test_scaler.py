@@ -508,6 +508,81 @@ def test_the_scalers_tensors_follow_the_model_to_its_device(mode: str) -> None:
         "meta"}
 
 
+def _bound_run(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, bind: bool, steps: int = 4, overflow_at: int = 2,
+               replace_scales_at: int | None = None) -> tuple[list[torch.Tensor], int]:
+    """``steps`` Inductor-compiled steps (a gradient overflow at ``overflow_at``): the scaler's state
+    after them, and how many updates took the full path (``_update_adaptive``)."""
+    torch._dynamo.reset()  # (a graph compiled for another copy would serve this one, the scaler unaware)
+    m = copy.deepcopy(model)
+    scaler = GradScaler(m)
+    full = 0
+    full_update = scaler._update_adaptive
+
+    def counted() -> torch.Tensor:
+        nonlocal full
+        full += 1
+        return full_update()
+
+    scaler._update_adaptive = counted  # type: ignore[method-assign]
+    if not bind:
+        scaler._update_bound = lambda: None  # type: ignore[method-assign]
+    compiled = torch.compile(m, backend="autoscale")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for i in range(steps):
+        if i == replace_scales_at:  # what model.to(device) does to the state's buffers
+            m._buffers["_autoscale_scales"] = m._buffers["_autoscale_scales"].clone()
+        opt.zero_grad(set_to_none=True)
+        loss = scaler.scale(F.cross_entropy(compiled(x), y))
+        (loss * 1e38 if i == overflow_at else loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    state = scaler._state
+    assert state is not None and scaler._last_stats is not None
+    return [t.clone() for t in (state.scales, state.stats, scaler._last_stats, scaler._overflows, scaler._skips,
+                                scaler._last_skipped, *m.parameters())], full
+
+
+def test_the_steady_state_update_is_the_full_update_bound_once() -> None:
+    """After its first update, a scaler calls the compiled update on the tensors it bound then
+    (``GradScaler._update_bound``): the same scales, statistics, counters and weights as the full
+    update at every step, an overflowing (skipped) one included."""
+    model, (x,), y = mlp_case()
+    bound, full_updates = _bound_run(model, x, y, bind=True)
+    unbound, every = _bound_run(model, x, y, bind=False)
+    assert (full_updates, every) == (1, 4)
+    assert unbound[4].item() == 1  # (the overflow was skipped)
+    assert all(torch.equal(a, b) for a, b in zip(bound, unbound, strict=True))
+
+
+def test_a_replaced_state_buffer_unbinds_the_update() -> None:
+    """``model.to()`` replaces the state's buffers: the next update takes the full path, binds the
+    new ones, and updates them as the full update does."""
+    model, (x,), y = mlp_case()
+    bound, full_updates = _bound_run(model, x, y, bind=True, replace_scales_at=2)
+    unbound, _ = _bound_run(model, x, y, bind=False, replace_scales_at=2)
+    assert full_updates == 2
+    assert all(torch.equal(a, b) for a, b in zip(bound, unbound, strict=True))
+
+
+def test_a_copy_of_the_model_gets_a_graph_of_its_own() -> None:
+    """Two copies of a model (``copy.deepcopy``), each with its own scaler, compiled alike: Dynamo's
+    guards alone let the second run the first's graph, of which its scaler knows nothing (its update
+    ran eagerly, its forward checks went unread). The state's ``instance`` in the announcement
+    gives each copy a graph its scaler knows."""
+    torch._dynamo.reset()
+    model, (x,), y = mlp_case()
+    scalers = []
+    for _ in range(2):
+        m = copy.deepcopy(model)
+        scaler = GradScaler(m)
+        compiled = torch.compile(m, backend="autoscale")
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        assert _train_steps(m, scaler, opt, compiled, x, y, 2) == [False, False]
+        scalers.append(scaler)
+    assert [s._state.graphs for s in scalers] == [1, 1]  # type: ignore[union-attr]
+    assert [s._bound is not None for s in scalers] == [True, True]  # (each runs its compiled update)
+
+
 @pytest.mark.gpu
 def test_follows_the_model_to_cuda() -> None:
     model, (x,), y = mlp_case()
@@ -538,6 +613,20 @@ def test_points_in_inductors_kernels_compute_what_the_fused_kernel_does_on_cuda(
     (fused_grads, fused_scales), (grads, scales) = results
     assert scales == fused_scales
     assert all(torch.equal(a, b) for a, b in zip(grads, fused_grads, strict=True))
+
+
+@pytest.mark.gpu
+def test_the_fused_kernel_launches_like_inductors_own_on_cuda() -> None:
+    """The fused scale kernel is a user-defined Triton kernel; the backend has Inductor launch it
+    with its static launcher, as its own kernels. Strict, Inductor raises for any kernel it has
+    to hand to Triton's Python launcher instead."""
+    model, (x,), y = mlp_case()
+    model.cuda()
+    scaler = GradScaler(model)
+    compiled = torch.compile(model, backend=autoscale.backend(EVERYWHERE))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch._inductor.config.patch(strict_static_cuda_launcher=True, force_disable_caches=True):
+        assert _train_steps(model, scaler, opt, compiled, x.cuda(), y.cuda(), 2) == [False, False]
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "adaptive"])

@@ -96,6 +96,9 @@ def _private_copy(model: nn.Module, cfg: Config) -> nn.Module:
             clone._buffers.pop(name, None)
     if cfg.scaling.mode == "adaptive":
         fresh = install_state(clone, moments=moments)
+        # (no other model's graph can serve the copy, whose forward has a code object of its own:
+        # it needs no instance name, and without one the diff reads the same from run to run)
+        fresh.instance = ""
         if isinstance(state, ScaleState):  # the ops the user's scaler promoted after forward overflows
             fresh.forward.load_state_dict(state.forward.state_dict())
     _fresh_forward(clone)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["COUNTS", "scale_grad_reference"]
+__all__ = ["COUNTS", "STATS", "pack", "scale_grad_reference"]
 
 COUNTS = ("arrived_nonfinite", "elements", "zeros", "made_nonfinite", "underflowed")
+STATS = ("amax", "total", "squares", *COUNTS)
+"""What the fused op hands back in one float64 tensor (``pack``): one allocation, zeroed by one
+launch, where a float32 and an int64 tensor took two. float64 holds every count exactly (to 2^53)."""
 
 
 def scale_grad_reference(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
@@ -39,3 +42,9 @@ def scale_grad_reference(grad: torch.Tensor, factor: torch.Tensor, carried: torc
         (finite & (g != 0) & (out == 0)).sum(),
     ]).to(torch.int64)
     return out, fstats, counts
+
+
+def pack(fstats: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``scale_grad_reference``'s statistics as the fused op returns them: one float64 tensor laid
+    out as ``STATS`` names."""
+    return torch.cat([fstats.double(), counts.double()])

@@ -1,11 +1,14 @@
 """The fused scale kernel: one read of a gradient, the rescaled low-precision copy, its statistics.
 
-For a gradient ``g``, a scale ``factor`` and the scale ``carried`` the gradient arrived with, one
-pass computes
+For a gradient ``g`` that arrived carrying the scale ``carried`` and leaves carrying ``scale``
+(``factor`` = scale/carried: powers of two, so exact), one pass computes
 
     out = g·factor in g's dtype, with values it made non-finite set to 0
-    fstats = [max |g|/carried, Σ g/carried, Σ (g/carried)²]        over g's finite values (float32)
-    counts = [arrived non-finite, elements, zeros in g, made non-finite, underflowed]   (int64)
+    fstats = [max |g|/carried, Σ g/carried, Σ (g/carried)²]        over g's finite values
+    counts = [arrived non-finite, elements, zeros in g, made non-finite, underflowed]
+
+and hands back ``out`` and the statistics as one float64 tensor laid out as
+``autoscale.kernels.reference.STATS`` names (``pack``).
 
 where *underflowed* counts elements that were non-zero and finite in g and became exactly zero in
 ``out`` (a scale below 1, or a narrower output dtype, pushed them under the smallest subnormal).
@@ -15,6 +18,10 @@ kernel must match it exactly for ``out`` and ``counts`` and to float32 rounding 
 adds per-block partial sums atomically, in another order). ``autoscale::scale_grad`` (a
 ``torch.library.triton_op``) launches the kernel on CUDA through ``wrap_triton``, so Dynamo,
 AOTAutograd and Inductor see the kernel itself, not an opaque call.
+
+What a point costs a launch-bound step is its launches (docs/results/step_profile_cuda.md), so the
+op makes two: the zeroing of its one statistics tensor, and the kernel, which reads both scales
+itself (a factor computed outside was a launch of its own at every point).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from autoscale.kernels.reference import COUNTS, scale_grad_reference
+from autoscale.kernels.reference import STATS, pack, scale_grad_reference
 
 __all__ = ["BLOCK", "LAUNCH", "Launch", "scale_grad", "scale_grad_reference", "scale_grad_triton"]
 
@@ -61,8 +68,7 @@ BLOCK = LAUNCH.block
 
 
 @triton.jit
-def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carried_ptr, n,
-                       BLOCK_SIZE: tl.constexpr):
+def _scale_grad_kernel(g_ptr, out_ptr, stats_ptr, scale_ptr, carried_ptr, n, BLOCK_SIZE: tl.constexpr):
     # Persistent: each program strides over many blocks, accumulating in registers, and touches
     # the statistics once at the end (one atomic per statistic per program, not per block).
     # The kernel is bound by the instructions it issues per element, not by memory (an H100 and
@@ -78,8 +84,8 @@ def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carri
     # underflowed; program 0 takes the last block's padding off the zeros.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    factor = tl.load(factor_ptr).to(tl.float32)
     inv_carried = 1.0 / tl.load(carried_ptr).to(tl.float32)  # scales are powers of two: exact
+    factor = tl.load(scale_ptr).to(tl.float32) * inv_carried
     amax = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     total = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     squares = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
@@ -105,17 +111,18 @@ def _scale_grad_kernel(g_ptr, out_ptr, fstats_ptr, counts_ptr, factor_ptr, carri
         zeros_in += tl.where(g == 0, 1.0, 0.0)
         unmade += tl.where(made, 0.0, 1.0)
         zeros_out += tl.where(out == 0, 1.0, 0.0)
-    tl.atomic_max(fstats_ptr + 0, tl.max(amax, axis=0))
-    tl.atomic_add(fstats_ptr + 1, tl.sum(total, axis=0))
-    tl.atomic_add(fstats_ptr + 2, tl.sum(squares, axis=0))
+    # (the statistics in float64, laid out as ``STATS``; a program's counts are summed in int64 first)
+    tl.atomic_max(stats_ptr + 0, tl.max(amax, axis=0).to(tl.float64))  # (non-negative: an ordered max)
+    tl.atomic_add(stats_ptr + 1, tl.sum(total, axis=0).to(tl.float64))
+    tl.atomic_add(stats_ptr + 2, tl.sum(squares, axis=0).to(tl.float64))
     a = tl.sum(arrived.to(tl.int64), axis=0)
     z = tl.sum(zeros_in.to(tl.int64), axis=0)
     padding = (BLOCK_SIZE - n % BLOCK_SIZE) % BLOCK_SIZE  # (the last block's masked lanes)
-    tl.atomic_add(counts_ptr + 0, a)
-    tl.atomic_add(counts_ptr + 1, tl.where(pid == 0, n, 0).to(tl.int64))  # (elements: n, added once)
-    tl.atomic_add(counts_ptr + 2, z - tl.where(pid == 0, padding, 0).to(tl.int64))
-    tl.atomic_add(counts_ptr + 3, tl.sum(unmade.to(tl.int64), axis=0) - a)
-    tl.atomic_add(counts_ptr + 4, tl.sum(zeros_out.to(tl.int64), axis=0) - a - z)
+    tl.atomic_add(stats_ptr + 3, a.to(tl.float64))
+    tl.atomic_add(stats_ptr + 4, tl.where(pid == 0, n, 0).to(tl.float64))  # (elements: n, added once)
+    tl.atomic_add(stats_ptr + 5, (z - tl.where(pid == 0, padding, 0).to(tl.int64)).to(tl.float64))
+    tl.atomic_add(stats_ptr + 6, (tl.sum(unmade.to(tl.int64), axis=0) - a).to(tl.float64))
+    tl.atomic_add(stats_ptr + 7, (tl.sum(zeros_out.to(tl.int64), axis=0) - a - z).to(tl.float64))
 
 
 def _programs(device: torch.device, blocks: int, per_sm: int) -> int:
@@ -130,30 +137,31 @@ def _multiprocessors(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def _launch(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, kernel: object, launch: Launch
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _launch(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor, kernel: object, launch: Launch
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     g = grad.contiguous()
     out = torch.empty_like(g)
-    fstats = torch.zeros(3, dtype=torch.float32, device=g.device)
-    counts = torch.zeros(len(COUNTS), dtype=torch.int64, device=g.device)
+    stats = torch.zeros(len(STATS), dtype=torch.float64, device=g.device)
     n = g.numel()
     if n:
         grid = (_programs(g.device, triton.cdiv(n, launch.block), launch.programs_per_sm),)
-        kernel[grid](g, out, fstats, counts, factor.reshape(1).float(), carried.reshape(1).float(),  # type: ignore[index]
-                     n, BLOCK_SIZE=launch.block, num_warps=launch.num_warps)
-    return out.view_as(grad), fstats, counts
+        kernel[grid](g, out, stats, scale, carried, n, BLOCK_SIZE=launch.block,  # type: ignore[index]
+                     num_warps=launch.num_warps)
+    return out.view_as(grad), stats
 
 
-def scale_grad_triton(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor, *, launch: Launch = LAUNCH
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same as ``scale_grad_reference``, in one direct Triton launch (any device Triton runs on)."""
-    return _launch(grad, factor, carried, _scale_grad_kernel, launch)
+def scale_grad_triton(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor, *, launch: Launch = LAUNCH
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scale_grad_reference(grad, scale/carried, carried)``, packed (``pack``), in one direct
+    Triton launch (any device Triton runs on). ``scale`` and ``carried``: float32, one element each."""
+    return _launch(grad, scale, carried, _scale_grad_kernel, launch)
 
 
 @triton_op("autoscale::scale_grad", mutates_args=())
-def scale_grad(grad: torch.Tensor, factor: torch.Tensor, carried: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused op: the Triton kernel on CUDA, the reference elsewhere."""
+def scale_grad(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused op, ``(out, stats)``: the Triton kernel on CUDA, the reference elsewhere.
+    ``scale`` and ``carried``: float32, one element each (a point's row scales)."""
     if grad.device.type == "cuda":
-        return _launch(grad, factor, carried, wrap_triton(_scale_grad_kernel), LAUNCH)
-    return scale_grad_reference(grad, factor, carried)
+        return _launch(grad, scale, carried, wrap_triton(_scale_grad_kernel), LAUNCH)
+    out, fstats, counts = scale_grad_reference(grad, scale / carried, carried)
+    return out, pack(fstats, counts)
