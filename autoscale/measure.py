@@ -212,8 +212,9 @@ def _row_scales(scales: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _row_scales_cuda(scales: torch.Tensor) -> list[torch.Tensor]:
-    """``_row_scales`` in one launch: ``unbind_copy`` launches a copy per row, and a step whose
-    host launches bind it pays for each (a T5 has hundreds of rows); on a CPU it is the faster."""
+    """``_row_scales`` in one launch (registered for CUDA): ``unbind_copy`` launches a copy per row,
+    and a step bound by the host's launches pays for each (a T5 has hundreds of rows). On a CPU
+    ``unbind_copy`` is the faster, one C++ call against this loop in Python (18 against 35 µs)."""
     rows = [torch.empty((), dtype=scales.dtype, device=scales.device) for _ in range(scales.shape[0])]
     torch._foreach_copy_(rows, scales.unbind())
     return rows

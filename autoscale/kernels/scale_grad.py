@@ -7,11 +7,10 @@ For a gradient ``g`` that arrived carrying the scale ``carried`` and leaves carr
     fstats = [max |g|/carried, Σ g/carried, Σ (g/carried)²]        over g's finite values
     counts = [arrived non-finite, elements, zeros in g, made non-finite, underflowed]
 
-and hands back ``out`` and the statistics as one float64 tensor laid out as
-``autoscale.kernels.reference.STATS`` names (``pack``).
-
 where *underflowed* counts elements that were non-zero and finite in g and became exactly zero in
-``out`` (a scale below 1, or a narrower output dtype, pushed them under the smallest subnormal).
+``out`` (a scale below 1, or a narrower output dtype, pushed them under the smallest subnormal);
+it hands back ``out`` and the statistics as one float64 tensor laid out as
+``autoscale.kernels.reference.STATS`` names (``pack``).
 
 ``autoscale.kernels.reference.scale_grad_reference`` is the pure-torch version and the test oracle. The Triton
 kernel must match it exactly for ``out`` and ``counts`` and to float32 rounding for the sums (it
