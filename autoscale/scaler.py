@@ -82,14 +82,17 @@ class LayerReport:
 
 @dataclass(frozen=True)
 class _Bound:
-    """A steady-state ``update()`` bound once (``GradScaler._update_bound``): the compiled update and
-    the tensors it takes, and what they were taken from, to tell when they may be stale."""
+    """A steady-state ``update()`` bound once (``GradScaler._update_bound``): the compiled update,
+    the tensors it takes, and what tells when they may be stale besides the tensors themselves."""
 
     call: Callable[..., None]
     tensors: tuple[torch.Tensor, ...]  # ``UpdateTensors`` but the snapshot (the mirror hands out one per update)
-    buffers: tuple[torch.Tensor, ...]  # the model's scales, stats and peaks when bound: ``model.to`` replaces them
     graphs: int  # ``ScaleState.graphs`` when bound: a new graph may bring forward sites, a gradient format
     snapshot_size: int | None  # the mirror's snapshot size; None when no forward site reads the snapshot
+
+
+# Where the model's buffers are among ``_Bound.tensors``: ``model.to`` replaces them
+_SCALES_AT, _STATS_AT, _PEAKS_AT = (UpdateTensors._fields.index(name) for name in ("scales", "stats", "peaks"))
 
 
 class GradScaler:
@@ -485,8 +488,7 @@ class GradScaler:
         compiled = self._update_scales.compiled(variant)
         steady = cfg.update_every == 1 and bound is None and not state.graph_stats and self._world() == 1
         self._bound = None if compiled is None or not steady else _Bound(
-            compiled, tuple(tensors[:-1]), (tensors.scales, tensors.stats, peaks), state.graphs,
-            len(self._snapshot) if forward.sites else None)
+            compiled, tuple(tensors[:-1]), state.graphs, len(self._snapshot) if forward.sites else None)
         return snapshot
 
     def _update_bound(self) -> torch.Tensor | None:
@@ -504,12 +506,16 @@ class GradScaler:
         bound, state = self._bound, self._state
         if bound is None or state is None or bound.graphs != state.graphs or self._world() != 1:
             return None
-        if any(a is not b for a, b in zip(bound.buffers, (state.scales, state.stats, state.peaks), strict=True)):
+        tensors = bound.tensors
+        if tensors[_SCALES_AT] is not state.scales or tensors[_STATS_AT] is not state.stats:
+            return None
+        peaks = tensors[_PEAKS_AT]
+        if peaks is not state.peaks:
             return None
         assert self._snapshot is not None
         snapshot = (self._snapshot if bound.snapshot_size is None
-                    else self._mirror.destination(bound.snapshot_size, bound.buffers[2].device))
-        bound.call(*bound.tensors, snapshot)
+                    else self._mirror.destination(bound.snapshot_size, peaks.device))
+        bound.call(*tensors, snapshot)
         return snapshot
 
     def _update_constants(self) -> dict[str, float]:
