@@ -76,7 +76,7 @@ class ScalingConfig:
                 inputs and use the measured magnitudes instead of the analysis' predictions.
     point_kernel: compile-time, CUDA only. "fused" (the default): each scale point's backward is
                 the Triton kernel ``autoscale::scale_grad``, one pass over the gradient in a launch
-                of its own, with three small launches around it. "inductor": plain torch that
+                of its own, and one that zeroes its statistics. "inductor": plain torch that
                 Inductor fuses into the kernels next to it, as on a CPU (always, there). On a GPU
                 small models are launch-bound, and the fused kernel's launches made their backward
                 launch 131 kernels against torch.amp's 47 (docs/results/overhead_cuda.md); which
