@@ -482,10 +482,9 @@ class GradScaler:
                                 self._found_inf, self._last_skipped, peaks, forward.alarm_low,
                                 forward.alarm_high, forward.outputs, snapshot)
         variant = (due, bound is None, peaks.device, *constants.values())
-        self._update_scales((*tensors, bound), variant=variant,
-                            compile=state.inductor_graphs > 0 and state.inductor_graphs == state.graphs, due=due,
-                            **constants)
-        compiled = self._update_scales.compiled(variant)
+        compiled = self._update_scales((*tensors, bound), variant=variant,
+                                       compile=state.inductor_graphs > 0 and state.inductor_graphs == state.graphs,
+                                       due=due, **constants)
         steady = cfg.update_every == 1 and bound is None and not state.graph_stats and self._world() == 1
         self._bound = None if compiled is None or not steady else _Bound(
             compiled, tuple(tensors[:-1]), state.graphs, len(self._snapshot) if forward.sites else None)
@@ -548,15 +547,17 @@ class GradScaler:
             return
         step = self._steps + 1  # (numbered from 1, as the telemetry does)
         if self._decided and snapshot.device.type != "cpu":
-            self._read_snapshot(snapshot.cpu(), step)
+            host = snapshot.cpu()
+            self._read_snapshot(host, *host[-2:].tolist(), step=step)
             return
         self._mirror.post(snapshot)
         self._snapshot_steps.append(step)
         for host in self._mirror.poll():
-            self._read_snapshot(host, self._snapshot_steps.popleft())
+            values = self._mirror.values(host)  # (its flags read with no torch op: ``HostMirror.values``)
+            self._read_snapshot(host, values[-2], values[-1], step=self._snapshot_steps.popleft())
 
-    def _read_snapshot(self, host: torch.Tensor, step: int) -> None:
-        alarm, skipped = host[-2:].tolist()
+    def _read_snapshot(self, host: torch.Tensor, alarm: float, skipped: float, *, step: int) -> None:
+        """Act on the snapshot ``host`` if its flags (its last two values) say so."""
         if alarm or skipped:
             self._act(host[:-2], skipped=bool(skipped), step=step)
         else:

@@ -100,7 +100,9 @@ def adaptive_update(*tensors: torch.Tensor | None, due: bool, backoff: float, re
     scales.copy_(torch.where(keep, scales, new.clamp(SCALE_RANGE[0], high)))
     t.found_inf.zero_()
     t.last_skipped.copy_(overflow)
-    t.snapshot.copy_(torch.cat([peaks, look.view(1).float(), overflow.view(1).float()]))
+    t.snapshot[:-2].copy_(peaks)
+    t.snapshot[-2].copy_(look)
+    t.snapshot[-1].copy_(overflow)
     peaks.zero_()
 
 
@@ -177,7 +179,9 @@ class CompiledUpdate:
     call (47 µs against 33 µs on the quick MLP of ``benchmarks.overhead``). The graph mutates its
     inputs and returns nothing, which an inference graph keeps in itself, so the output code that
     Inductor compiled (caught on its way out of ``compile_fx_inner``) is called directly, with the
-    boxed calling convention (a list of the tensors), when there is exactly one.
+    boxed calling convention (a list of the tensors), when there is exactly one. Its size and
+    stride asserts, one per tensor, cost ~12 µs of that call cold: a variant is also keyed by its
+    tensors' layouts, so it is compiled without them.
 
     The first call of each variant is checked: ``fn`` runs eagerly on copies of the tensors, and
     the compiled results must equal it bit for bit (nan where nan), or the eager results are kept
@@ -192,29 +196,27 @@ class CompiledUpdate:
         self._failed = False
 
     def __call__(self, tensors: Sequence[torch.Tensor | None], *, variant: Hashable, compile: bool,
-                 **constants: Any) -> None:
+                 **constants: Any) -> Callable[..., None] | None:
+        """Run ``fn`` on ``tensors``; return what ran when it ran compiled and checked (a function of
+        the call's non-None tensors, in order, ``fn``'s constants compiled in; a caller may call it
+        again on the same tensors), or None when it ran eagerly."""
         with torch.no_grad():
             if compile and not self._failed:
                 present = [t for t in tensors if t is not None]
+                variant = (variant, *((t.shape, t.stride(), t.dtype) for t in present))
                 compiled = self._variants.get(variant)
                 if compiled is not None:
                     compiled(*present)
-                    return
+                    return compiled
                 try:
-                    self._first_call(tensors, present, variant, constants)
-                    return
+                    return self._first_call(tensors, present, variant, constants)
                 except Exception as e:  # noqa: BLE001  (a compile failure: the eager function computes the same)
                     self._fall_back(f"{type(e).__name__}: {e}")
             self._fn(*tensors, **constants)
-
-    def compiled(self, variant: Hashable) -> Callable[..., None] | None:
-        """What a call of ``variant`` runs once compiled and checked: a function of the call's
-        non-None tensors, in order (``fn``'s constants are compiled in). None if it is not compiled
-        (not yet, not asked to be, or failed: calls run eagerly)."""
-        return None if self._failed else self._variants.get(variant)
+            return None
 
     def _first_call(self, tensors: Sequence[torch.Tensor | None], present: list[torch.Tensor], variant: Hashable,
-                    constants: dict[str, Any]) -> None:
+                    constants: dict[str, Any]) -> Callable[..., None] | None:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # (Inductor: only when compiling)
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -228,18 +230,21 @@ class CompiledUpdate:
             inner.append(code)
             return code
 
-        wrapped: Callable[..., Any] = compile_fx(make_fx(flat, tracing_mode="fake")(*present), present,  # type: ignore[assignment]
-                                                 inner_compile=catch_inner)
+        # (no size asserts: a variant's tensors have the layouts it was compiled for, by its key)
+        with torch._inductor.config.patch(size_asserts=False):
+            wrapped: Callable[..., Any] = compile_fx(  # type: ignore[assignment]
+                make_fx(flat, tracing_mode="fake")(*present), present, inner_compile=catch_inner)
         compiled = _boxed(inner[0]) if len(inner) == 1 else wrapped
         expected = [t.clone() for t in present]
         self._fn(*_refill(tensors, expected), **constants)
         compiled(*present)
         if all(_same(a, b) for a, b in zip(present, expected, strict=True)):
             self._variants[variant] = compiled
-            return
+            return compiled
         for a, b in zip(present, expected, strict=True):
             a.copy_(b)
         self._fall_back("its results differ from the eager function's")
+        return None
 
     def _fall_back(self, why: str) -> None:
         self._failed = True

@@ -48,9 +48,9 @@ def test_compiled_update_equals_the_eager_function(amax: list[float], flags: lis
                                                    peaks: list[float], found: bool, due: bool) -> None:
     eager, compiled = (_state(amax, flags, last_flags, peaks, found) for _ in range(2))
     CompiledUpdate(adaptive_update)((*eager, None), variant=due, compile=False, due=due, **CONSTANTS)
-    COMPILED((*compiled, None), variant=due, compile=True, due=due, **CONSTANTS)
-    assert not COMPILED._failed
-    assert COMPILED._variants[due].__qualname__.startswith("_boxed")  # (Inductor's output code, called directly)
+    ran = COMPILED((*compiled, None), variant=due, compile=True, due=due, **CONSTANTS)
+    assert not COMPILED._failed and ran is not None
+    assert ran.__qualname__.startswith("_boxed")  # (Inductor's output code, called directly)
     for name, a, b in zip(UpdateTensors._fields, compiled, eager, strict=True):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
 
@@ -77,10 +77,31 @@ def test_a_compiled_variant_that_disagrees_is_dropped(layer: str, monkeypatch: p
     monkeypatch.setattr(compile_fx, layer, miscompiled_fx if layer == "compile_fx" else miscompiled_inner)
     update = CompiledUpdate(adaptive_update)
     state, reference = (_state([1.0] * ROWS, [False] * ROWS, [False] * ROWS, [0.0] * SITES, False) for _ in range(2))
-    update((*state, None), variant=True, compile=True, due=True, **CONSTANTS)
+    assert update((*state, None), variant=True, compile=True, due=True, **CONSTANTS) is None
     CompiledUpdate(adaptive_update)((*reference, None), variant=True, compile=False, due=True, **CONSTANTS)
     assert all(torch.equal(a, b) for a, b in zip(state, reference, strict=True))
     assert update._failed and "differ from the eager function" in caplog.text
+
+
+def test_a_variant_called_on_other_layouts_compiles_for_them() -> None:
+    """A variant is compiled without Inductor's size asserts, so tensors of another shape (here:
+    twice the forward sites) must get code of their own, not the first shape's."""
+    update = CompiledUpdate(adaptive_update)
+    peaks = [70000.0, 1.0, 2.0, 3.0, 4.0]
+    first = _state([1.0] * ROWS, [False] * ROWS, [False] * ROWS, peaks, False)
+    assert update((*first, None), variant=True, compile=True, due=True, **CONSTANTS) is not None
+    wider = [_state([1.0] * ROWS, [False] * ROWS, [False] * ROWS, peaks, False) for _ in range(2)]
+    for t in wider:  # (every per-site tensor twice as long: the second half's sites see nothing)
+        for name in ("peaks", "alarm_low", "alarm_high", "outputs"):
+            old = getattr(t, name)
+            getattr(t, name).set_(torch.cat([old, torch.zeros_like(old) if name in ("peaks", "outputs")
+                                             else torch.full_like(old, math.inf)]))
+        t.snapshot.set_(torch.zeros(2 * SITES + 2))
+    ran = update((*wider[0], None), variant=True, compile=True, due=True, **CONSTANTS)
+    CompiledUpdate(adaptive_update)((*wider[1], None), variant=True, compile=False, due=True, **CONSTANTS)
+    assert ran is not None and len(update._variants) == 2
+    for name, a, b in zip(UpdateTensors._fields, *wider, strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_pow2floor_is_exact_around_powers_of_two() -> None:
@@ -105,4 +126,7 @@ def test_host_mirror_hands_copies_back_in_order_and_reuses_its_buffers() -> None
         seen += [b.tolist() for b in mirror.poll()]
     assert seen == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
     (free,) = mirror.buffers()  # (one buffer, reused)
+    assert list(mirror.values(free)) == [2.0] * 4  # (read in place, as Python floats)
+    free[-1] = 5.0
+    assert mirror.values(free)[-1] == 5.0
     assert mirror.destination(4, device) is free
