@@ -508,9 +508,10 @@ def load(path: str | os.PathLike[str]) -> ConvertedModule:
         if list(state.layers) != saved_state["layers"]:
             raise ConvertedFileError(f"{path}: the saved module tree does not give the saved scale layout; "
                                      f"{_RECONVERT}")
-        with torch.no_grad():
-            state.scales.copy_(saved_state["scales"])
-            state.stats.copy_(saved_state["stats"])
+        try:
+            state.load(saved_state["scales"], saved_state["stats"])
+        except ValueError as e:
+            raise ConvertedFileError(f"{path}: {e}; {_RECONVERT}") from None
         # the watched sites in slot order (the graph's checks write those slots) and the promotions
         state.forward.restore(saved_state.get("forward", {}))
     gm = _load_graph(payload["graph"])

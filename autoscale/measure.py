@@ -38,8 +38,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM", "Measured",
-           "fold", "point_backward", "record", "row_scales", "scale_and_measure", "taken"]
+__all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "LOSS_ROW", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM",
+           "Measured", "fold", "point_backward", "record", "row_scales", "scale_and_measure", "taken"]
 
 aten = torch.ops.aten
 
@@ -49,6 +49,10 @@ aten = torch.ops.aten
 # parameter gradients (their zero rate, reported per layer).
 STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5, "numel": 6}
 NUM_STATS = len(STAT)
+LOSS_ROW = 0
+"""The row of the scale the loss's gradient starts with: 1, always (a layer's row is never row 0,
+``update`` keeps it, and the scaler multiplies the loss outside the graphs). So a point does not
+read it: a scale it would take the largest of with others is a ``clamp_min(1)`` (``_max_of``)."""
 ANY_NONFINITE = STAT["amax"]
 """The cell of row 0 (the loss scale's, which no rule moves and no point measures) that holds
 whether any point saw a non-finite value: ``GradScaler.step`` reads this one value (flat index)."""
@@ -244,10 +248,15 @@ def _rows_of(scales: torch.Tensor) -> Sequence[torch.Tensor] | torch.Tensor:
 
 
 def _max_of(each: Sequence[torch.Tensor] | torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
-    """The largest of the scales of ``rows`` (1 for none), from ``_rows_of``."""
-    if not rows:
+    """The largest of the scales of ``rows`` (1 for none), from ``_rows_of``; the loss row's, 1
+    (``LOSS_ROW``), is not read. Read, it was a kernel argument of every point next to the loss or
+    the residual stream (61 nodes of a 1+1-layer T5's backward), which Inductor's fusion search
+    grouped and paired, one by one, as nodes reading one buffer."""
+    read = [row for row in rows if row != LOSS_ROW]
+    if not read:
         return torch.ones((), dtype=each[0].dtype, device=each[0].device)
-    return functools.reduce(torch.maximum, (each[row] for row in rows))
+    largest = functools.reduce(torch.maximum, (each[row] for row in read))
+    return largest.clamp_min(1.0) if len(read) < len(rows) else largest
 
 
 def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],

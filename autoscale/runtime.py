@@ -22,14 +22,13 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autoscale.measure import ANY_NONFINITE
+from autoscale.measure import ANY_NONFINITE, LOSS_ROW
 from autoscale.ops import FP16_MAX, LAYOUT_SEP, NUM_STATS, STAT
 from autoscale.overflow import ForwardSites
 
 __all__ = ["LOSS_ROW", "LAYOUT_SEP", "IdentitySet", "ScaleState", "announce_in_forward", "install_state", "owner_of",
            "recoded_forward", "state_of", "unwrap"]
 
-LOSS_ROW = 0
 _LOSS_NAME = "<loss>"
 _STATE_ATTR = "_autoscale_state"
 _SCALES, _STATS, _PEAKS = "_autoscale_scales", "_autoscale_stats", "_autoscale_peaks"
@@ -99,6 +98,17 @@ class ScaleState:
     def name_of(self, param: torch.Tensor) -> str | None:
         """``param``'s name in the model (``fc1.weight``), or None if it is not the model's."""
         return next((name for name, p in self.root.named_parameters() if p is param), None)
+
+    def load(self, scales: torch.Tensor, stats: torch.Tensor) -> None:
+        """Set the scales and statistics saved from a state of this layout. Scales whose loss row is
+        not 1 are refused: no layer's row is row 0, and the points take it as 1 (``LOSS_ROW``)."""
+        loss_scale = float(scales[LOSS_ROW])
+        if loss_scale != 1.0:
+            raise ValueError(f"the saved scales give the loss row (row {LOSS_ROW}) {loss_scale}, where autoscale "
+                             "saves 1: they were edited, or are not a state of this model")
+        with torch.no_grad():
+            self.scales.copy_(scales)
+            self.stats.copy_(stats)
 
     def stats_for_graph(self) -> torch.Tensor:
         """A new statistics tensor for one graph the announcement does not reach (see ``gather``)."""

@@ -328,9 +328,8 @@ class GradScaler:
         if self._state is not None:
             if list(state["layers"]) != list(self._state.layers):
                 raise ValueError("state_dict's layers do not match this model's; load it into the same model")
-            self._state.scales.copy_(state["scales"])
+            self._state.load(state["scales"], state["stats"])
             self._state.seeded.update(range(len(self._state.layers)))  # (a compile now must not re-seed them)
-            self._state.stats.copy_(state["stats"])
             self._last_stats.copy_(state["last_stats"])  # type: ignore[union-attr]
             # promotions apply at the next forward: Dynamo's guard on them recompiles the graph
             self._state.forward.load_state_dict(state.get("forward", {}))

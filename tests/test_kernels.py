@@ -7,6 +7,7 @@ partial sums atomically, in another order).
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -17,7 +18,19 @@ from hypothesis import strategies as st
 import autoscale.measure
 from autoscale.kernels.reference import STATS, pack, scale_grad_reference
 from autoscale.kernels.scale_grad import BLOCK, Launch, scale_grad_triton
-from autoscale.measure import ARRIVED, BAD, MADE, NUM_STATS, PEAK, STAT, Measured, scale_and_measure, taken
+from autoscale.measure import (
+    ARRIVED,
+    BAD,
+    LOSS_ROW,
+    MADE,
+    NUM_STATS,
+    PEAK,
+    STAT,
+    Measured,
+    _max_of,
+    scale_and_measure,
+    taken,
+)
 from autoscale.ops import rescale
 
 SPECIAL = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 6.1e-5, 65504.0, -65504.0, 65519.0, 1e-3,
@@ -182,6 +195,16 @@ def test_row_scales_hands_each_row_in_a_storage_of_its_own() -> None:
         assert [r.item() for r in rows] == scales.tolist() and all(r.dim() == 0 for r in rows)
         assert len({r.untyped_storage().data_ptr() for r in rows} | {scales.untyped_storage().data_ptr()}) == 4
     torch.library.opcheck(torch.ops.autoscale.row_scales.default, (scales,))
+
+
+def test_a_point_takes_the_loss_rows_scale_as_one_without_reading_it() -> None:
+    """The loss row's scale is 1 by construction (``LOSS_ROW``): a point never reads it (here it is
+    nan, which any read would carry through), and takes it as 1 in a largest-of."""
+    rows = list(torch.tensor([math.nan, 4.0, 0.5]).unbind())
+    assert LOSS_ROW == 0
+    assert _max_of(rows, (0,)).item() == 1.0 and _max_of(rows, ()).item() == 1.0
+    assert _max_of(rows, (0, 2)).item() == 1.0 and _max_of(rows, (0, 1)).item() == 4.0
+    assert _max_of(rows, (2,)).item() == 0.5 and _max_of(rows, (1, 2)).item() == 4.0
 
 
 def _through_rescale(grad: torch.Tensor, scales: list[float], out_rows: tuple[int, ...], in_rows: tuple[int, ...],

@@ -437,6 +437,19 @@ def test_state_dict_round_trip_continues_bit_identically() -> None:
         GradScaler(mlp_case()[0], ScalingConfig(mode="dynamic")).load_state_dict(saved[2])
 
 
+def test_a_state_dict_whose_loss_row_is_not_one_is_refused() -> None:
+    """The points take the loss row's scale as 1 without reading it, so a state that says otherwise
+    (edited by hand) is refused, not loaded and silently ignored."""
+    model = mlp_case()[0]
+    scaler = GradScaler(model)
+    saved = scaler.state_dict()
+    saved["scales"] = saved["scales"].clone()
+    saved["scales"][0] = 2.0
+    with pytest.raises(ValueError, match=r"give the loss row \(row 0\) 2.0, where autoscale saves 1"):
+        scaler.load_state_dict(saved)
+    assert scaler.state_dict()["scales"][0] == 1.0
+
+
 def test_a_loaded_scale_of_one_is_not_reseeded_by_the_first_compile() -> None:
     """The first compile seeds the layers' scales from the analysis, but not over a state_dict just
     loaded: a learnt scale may be exactly 1 (it was re-seeded when rows were told by their value)."""
