@@ -505,10 +505,8 @@ class GradScaler:
         if bound is None or state is None or bound.graphs != state.graphs or self._world() != 1:
             return None
         tensors = bound.tensors
-        if tensors[_SCALES_AT] is not state.scales or tensors[_STATS_AT] is not state.stats:
-            return None
         peaks = tensors[_PEAKS_AT]
-        if peaks is not state.peaks:
+        if not state.holds(tensors[_SCALES_AT], tensors[_STATS_AT], peaks):
             return None
         assert self._snapshot is not None
         snapshot = (self._snapshot if bound.snapshot_size is None
