@@ -88,10 +88,9 @@ class ScaleState:
         new = object.__new__(ScaleState)
         memo[id(self)] = new
         fresh = {"checked": IdentitySet(), "graphs": 0, "inductor_graphs": 0, "scaled_graphs": 0, "graph_stats": [],
-                 "_registered": None, "_any_view": None}
+                 "_registered": None, "_any_view": None, "instance": _new_instance()}
         for key, value in vars(self).items():
             setattr(new, key, fresh[key] if key in fresh else copy.deepcopy(value, memo))
-        new.instance = _new_instance()
         _COPIES.add(new)
         return new
 
