@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 __all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "LOSS_ROW", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM",
-           "Measured", "fold", "point_backward", "record", "row_scales", "scale_and_measure", "taken"]
+           "Measured", "fold", "point_backward", "record", "row_scale", "row_scales", "scale_and_measure",
+           "taken"]
 
 aten = torch.ops.aten
 
@@ -198,19 +200,19 @@ def _overflow_threshold(dtype: torch.dtype) -> float:
 
 def _row_scales(scales: torch.Tensor) -> list[torch.Tensor]:
     """Each row's scale as a 0-dim tensor of its own (``torch.ops.autoscale.row_scales``): what a
-    point reads its scales from.
+    compiled graph's points read their scales from.
 
     Why not ``scales[row]``: Inductor writes a select's index into the kernel's source as a
     constant, so the points of two identical layers (rows 7 and 10, rows 21 and 24) compiled to
     two kernels that differ in one number: a model compiled one set of point kernels per layer (a
     3+3-layer T5: 116 C++ kernels, where Inductor without scaling compiles a repeated layer's once,
     40). Read from a buffer of its own, a scale is a kernel argument, and identical layers share
-    their kernels (67). As an op of its own it stays one call (Inductor would inline
-    ``unbind_copy``'s decomposition back into selects); every point calls it on the same tensor,
-    and AOTAutograd's common-subexpression pass leaves one call per backward. Defined through
-    ``torch.library.Library`` rather than ``custom_op``, whose Python wrapper doubled the call's
-    cost (~10 µs), paid at every step: the copies are ``unbind_copy``'s, one storage each, as the
-    schema promises. Run eagerly, points select their rows instead (``_rows_of``).
+    their kernels (67). As an op of its own it stays one call per graph (Inductor would inline
+    ``unbind_copy``'s decomposition back into selects): the points read single rows
+    (``row_scale``), and ``passes/batch_row_reads.py`` gathers a graph's reads into one call.
+    Defined through ``torch.library.Library`` rather than ``custom_op``, whose Python wrapper
+    doubled the call's cost (~10 µs), paid at every step: the copies are ``unbind_copy``'s, one
+    storage each, as the schema promises.
     """
     return torch.ops.aten.unbind_copy.int(scales)
 
@@ -224,39 +226,57 @@ def _row_scales_cuda(scales: torch.Tensor) -> list[torch.Tensor]:
     return rows
 
 
+def _row_scale(scales: torch.Tensor, row: int) -> torch.Tensor:
+    """One row's scale in a 0-dim tensor of its own (``torch.ops.autoscale.row_scale``): what a point
+    reads when traced. Tracing ``row_scales`` itself at every point made a node and a fake tensor
+    per row per point, all but one set of them dead: O(points × rows), 232 × 300 on a 3+3-layer
+    T5, about 10 of its first step's 90 s. Left ungathered (a joint stage without
+    ``batch_row_reads``), each read is a call of its own and computes the same."""
+    return scales[row].clone()
+
+
 _LIBRARY = torch.library.Library("autoscale", "FRAGMENT")
 _LIBRARY.define("row_scales(Tensor scales) -> Tensor[]")
 _LIBRARY.impl("row_scales", _row_scales, "CompositeExplicitAutograd")
 _LIBRARY.impl("row_scales", _row_scales_cuda, "CUDA")
+_LIBRARY.define("row_scale(Tensor scales, int row) -> Tensor")
+_LIBRARY.impl("row_scale", _row_scale, "CompositeExplicitAutograd")
 
 
 def _row_scales_fake(scales: torch.Tensor) -> list[torch.Tensor]:
     return [torch.empty((), dtype=scales.dtype, device=scales.device) for _ in range(scales.shape[0])]
 
 
+def _row_scale_fake(scales: torch.Tensor, row: int) -> torch.Tensor:
+    return torch.empty((), dtype=scales.dtype, device=scales.device)
+
+
 torch.library.register_fake("autoscale::row_scales", _row_scales_fake, lib=_LIBRARY)
+torch.library.register_fake("autoscale::row_scale", _row_scale_fake, lib=_LIBRARY)
 
 
 row_scales = torch.ops.autoscale.row_scales.default
+row_scale = torch.ops.autoscale.row_scale.default
 
 
-def _rows_of(scales: torch.Tensor) -> Sequence[torch.Tensor] | torch.Tensor:
-    """What a point reads its rows' scales from: when traced for a compiled graph, ``row_scales``'
-    buffers (see there); run eagerly (``autoscale.convert``), ``scales`` itself, where a row is a
-    free select and ``row_scales`` would copy every row at every point."""
-    return row_scales(scales) if torch.compiler.is_compiling() else scales
+def _row_reader() -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """How a point reads a row's scale: traced for a compiled graph, ``row_scale`` (see
+    ``_row_scales``); run eagerly (``autoscale.convert``), a select, free where a copy per row
+    would be paid at every point."""
+    return row_scale if torch.compiler.is_compiling() else operator.getitem
 
 
-def _max_of(each: Sequence[torch.Tensor] | torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
-    """The largest of the scales of ``rows`` (1 for none), from ``_rows_of``; the loss row's, 1
-    (``LOSS_ROW``), is not read. Read, it was a kernel argument of every point next to the loss or
-    the residual stream (61 nodes of a 1+1-layer T5's backward), which Inductor's fusion search
+def _max_of(scales: torch.Tensor, rows: tuple[int, ...], read: Callable[[torch.Tensor, int], torch.Tensor]
+            ) -> torch.Tensor:
+    """The largest of the scales of ``rows`` (1 for none), each read with ``read``; the loss row's,
+    1 (``LOSS_ROW``), is not read. Read, it was a kernel argument of every point next to the loss
+    or the residual stream (61 nodes of a 1+1-layer T5's backward), which Inductor's fusion search
     grouped and paired, one by one, as nodes reading one buffer."""
-    read = [row for row in rows if row != LOSS_ROW]
-    if not read:
-        return torch.ones((), dtype=each[0].dtype, device=each[0].device)
-    largest = functools.reduce(torch.maximum, (each[row] for row in read))
-    return largest.clamp_min(1.0) if len(read) < len(rows) else largest
+    read_rows = [row for row in rows if row != LOSS_ROW]
+    if not read_rows:
+        return torch.ones((), dtype=scales.dtype, device=scales.device)
+    largest = functools.reduce(torch.maximum, (read(scales, row) for row in read_rows))
+    return largest.clamp_min(1.0) if len(read_rows) < len(rows) else largest
 
 
 def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
@@ -277,8 +297,8 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     is checked, and ``GradScaler.step`` skips the step. All of it is read from the point's one
     value (``MODES``).
     """
-    each = _rows_of(scales)
-    out, m = scale_and_measure(grad, _max_of(each, out_rows), _max_of(each, in_rows), leaving=unscale,
+    read = _row_reader()
+    out, m = scale_and_measure(grad, _max_of(scales, out_rows, read), _max_of(scales, in_rows, read), leaving=unscale,
                                moments=moments, zeros=unscale, fused=fused)
     values: list[torch.Tensor] = []
     cells: list[int] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .analyze_underflow import analyze_underflow
 from .batch_records import batch_records
+from .batch_row_reads import batch_row_reads
 from .convert_precision import convert_precision
 from .emulate_compute import emulate_compute
 from .fold_casts import fold_casts
@@ -29,6 +30,7 @@ __all__ = [
     "PassSpec",
     "analyze_underflow",
     "batch_records",
+    "batch_row_reads",
     "Stage",
     "convert_precision",
     "emulate_compute",
@@ -59,5 +61,6 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec(fold_casts, "joint"),
     PassSpec(reduce_at_source, "joint"),  # the points' and checks' maxima read their sources in order
     PassSpec(batch_records, "joint"),  # one fold of the rescale points' statistics per graph
+    PassSpec(batch_row_reads, "joint"),  # one read of the rows' scales per graph
 )
 """The pipeline, in order."""

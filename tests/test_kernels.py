@@ -8,6 +8,7 @@ partial sums atomically, in another order).
 from __future__ import annotations
 
 import math
+import operator
 import os
 
 import pytest
@@ -187,24 +188,29 @@ def test_op_has_fake_impl_and_reference_cpu_path() -> None:
 
 
 def test_row_scales_hands_each_row_in_a_storage_of_its_own() -> None:
-    """``autoscale::row_scales`` (what a point reads its scales from): each row's value, in its own
-    storage as its schema promises (no output aliases the input or another), and a fake impl."""
+    """``autoscale::row_scales`` (what a compiled graph's points read their scales from) and
+    ``autoscale::row_scale`` (one row: what a point reads when traced): each row's value, in its own
+    storage as the schemas promise (no output aliases the input or another), and fake impls."""
     scales = torch.tensor([1.0, 2.0**15, 0.5])
-    # (the op, and CUDA's implementation of it, which copies every row in one launch)
-    for rows in (autoscale.measure.row_scales(scales), autoscale.measure._row_scales_cuda(scales)):
+    # (the op, and CUDA's implementation of it, which copies every row in one launch; one row at a time)
+    for rows in (autoscale.measure.row_scales(scales), autoscale.measure._row_scales_cuda(scales),
+                 [autoscale.measure.row_scale(scales, row) for row in range(3)]):
         assert [r.item() for r in rows] == scales.tolist() and all(r.dim() == 0 for r in rows)
         assert len({r.untyped_storage().data_ptr() for r in rows} | {scales.untyped_storage().data_ptr()}) == 4
     torch.library.opcheck(torch.ops.autoscale.row_scales.default, (scales,))
+    torch.library.opcheck(torch.ops.autoscale.row_scale.default, (scales, 1))
 
 
 def test_a_point_takes_the_loss_rows_scale_as_one_without_reading_it() -> None:
     """The loss row's scale is 1 by construction (``LOSS_ROW``): a point never reads it (here it is
-    nan, which any read would carry through), and takes it as 1 in a largest-of."""
-    rows = list(torch.tensor([math.nan, 4.0, 0.5]).unbind())
+    nan, which any read would carry through), and takes it as 1 in a largest-of; read eagerly (a
+    select) or as traced (``row_scale``), alike."""
+    scales = torch.tensor([math.nan, 4.0, 0.5])
     assert LOSS_ROW == 0
-    assert _max_of(rows, (0,)).item() == 1.0 and _max_of(rows, ()).item() == 1.0
-    assert _max_of(rows, (0, 2)).item() == 1.0 and _max_of(rows, (0, 1)).item() == 4.0
-    assert _max_of(rows, (2,)).item() == 0.5 and _max_of(rows, (1, 2)).item() == 4.0
+    for read in (operator.getitem, autoscale.measure.row_scale):
+        assert _max_of(scales, (0,), read).item() == 1.0 and _max_of(scales, (), read).item() == 1.0
+        assert _max_of(scales, (0, 2), read).item() == 1.0 and _max_of(scales, (0, 1), read).item() == 4.0
+        assert _max_of(scales, (2,), read).item() == 0.5 and _max_of(scales, (1, 2), read).item() == 4.0
 
 
 def _through_rescale(grad: torch.Tensor, scales: list[float], out_rows: tuple[int, ...], in_rows: tuple[int, ...],
