@@ -229,7 +229,7 @@ def _row_scales_cuda(scales: torch.Tensor) -> list[torch.Tensor]:
 def _row_scale(scales: torch.Tensor, row: int) -> torch.Tensor:
     """One row's scale in a 0-dim tensor of its own (``torch.ops.autoscale.row_scale``): what a point
     reads when traced. Tracing ``row_scales`` itself at every point made a node and a fake tensor
-    per row per point, all but one set of them dead: O(points × rows), 232 × 300 on a 3+3-layer
+    per row per point, all but one set of them dead: O(points × rows), 232 × 100 on a 3+3-layer
     T5, about 10 of its first step's 90 s. Left ungathered (a joint stage without
     ``batch_row_reads``), each read is a call of its own and computes the same."""
     return scales[row].clone()

@@ -9,7 +9,7 @@ output for its row. The same values (copies of the same rows), and at run time o
 
 Why not trace ``row_scales`` at each point and leave the rest to AOTAutograd's common-subexpression
 pass: every call made a node and a fake tensor per row, all but the first call's dead, O(points ×
-rows) in the trace. On a 3+3-layer T5 (232 points, ~300 rows) that was about 10 s of its 90 s
+rows) in the trace. On a 3+3-layer T5 (232 points, 100 rows) that was about 10 s of its 90 s
 first step.
 """
 
