@@ -17,6 +17,7 @@ import autoscale
 from autoscale import Config
 from autoscale.executors import inductor_keeps_roundings
 from autoscale.passes import PIPELINE, PassSpec, run_stage
+from tests.models import mlp_case
 from tests.tolerances import SQNR_MIN_DB, sqnr
 
 keeps_roundings = pytest.mark.skipif(
@@ -118,3 +119,31 @@ def assert_identical(a: object, b: object, where: str = "") -> None:
         assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
     else:
         assert a == b, where
+
+
+@dataclass(frozen=True)
+class PipelineStep:
+    """One backward of the MLP case through the eager executor (``step_through_pipeline``)."""
+
+    stats: torch.Tensor
+    peaks: torch.Tensor
+    grads: list[torch.Tensor]
+    counts: list[dict[str, int]]
+    """The rewrite counts of the pass in question, per compiled graph (none without it)."""
+
+
+def step_through_pipeline(pass_fn: Callable[..., Any], *, without: bool = False) -> PipelineStep:
+    """One backward of ``tests.models.mlp_case`` compiled with the eager executor and the whole
+    pipeline, or the pipeline without ``pass_fn``: what the scaler's state recorded, the gradients,
+    and ``pass_fn``'s counts. For a joint-stage pass that must change how, not what, a step computes."""
+    torch.manual_seed(0)
+    model, (x,), y = mlp_case()
+    scaler = autoscale.GradScaler(model)
+    pipeline = tuple(p for p in PIPELINE if not (without and p.fn is pass_fn))
+    backend = autoscale.Backend(Config(executor="eager", verify=True), pipeline=pipeline)
+    scaler.scale(F.cross_entropy(torch.compile(model, backend=backend)(x), y)).backward()
+    state = scaler._state
+    assert state is not None
+    counts = [dict(r.counts) for record in backend.records for r in record.passes if r.name == pass_fn.__name__]
+    return PipelineStep(state.stats.clone(), state.peaks.clone(), [p.grad.clone() for p in model.parameters()
+                                                                   if p.grad is not None], counts)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import functionalize
@@ -19,8 +18,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoscale
 from autoscale.measure import ARRIVED, BAD, MADE, MAX, NUM_STATS, PEAK, STAT, SUM, fold, record
-from autoscale.passes import PIPELINE, PassSpec, batch_records, run_stage
-from tests.models import mlp_case
+from autoscale.passes import PassSpec, batch_records, run_stage
+from tests.helpers import step_through_pipeline
 
 RECORD = torch.ops.autoscale.record.default
 ROWS = 5
@@ -114,18 +113,9 @@ def test_chains_it_cannot_batch_are_left_as_they_are() -> None:
 def test_a_compiled_model_records_the_same_statistics_with_and_without_the_pass() -> None:
     """End to end (eager executor): one backward's statistics and gradients are identical, and the
     pass reports one fold per chain: the backward's statistics and the forward's peaks."""
-    results = []
-    for pipeline in (PIPELINE, tuple(p for p in PIPELINE if p.fn is not batch_records)):
-        torch.manual_seed(0)
-        model, (x,), y = mlp_case()
-        scaler = autoscale.GradScaler(model)
-        backend = autoscale.Backend(autoscale.Config(executor="eager", verify=True), pipeline=pipeline)
-        F.cross_entropy(torch.compile(model, backend=backend)(x), y).backward()
-        state = scaler._state
-        assert state is not None
-        joint = [r for record in backend.records for r in record.passes if r.name == "batch_records"]
-        results.append((state.stats.clone(), state.peaks.clone(), [p.grad.clone() for p in model.parameters()],
-                        [r.counts for r in joint]))
-    (stats, peaks, grads, counts), (stats0, peaks0, grads0, counts0) = results
-    assert stats.equal(stats0) and peaks.equal(peaks0) and all(a.equal(b) for a, b in zip(grads, grads0, strict=True))
-    assert counts0 == [] and len(counts) == 1 and counts[0]["folds"] == 2 and counts[0]["records"] > 2
+    batched, alone = step_through_pipeline(batch_records), step_through_pipeline(batch_records, without=True)
+    assert batched.stats.equal(alone.stats) and batched.peaks.equal(alone.peaks)
+    assert len(batched.grads) == len(alone.grads)
+    assert all(a.equal(b) for a, b in zip(batched.grads, alone.grads, strict=True))
+    assert alone.counts == [] and len(batched.counts) == 1
+    assert batched.counts[0]["folds"] == 2 and batched.counts[0]["records"] > 2

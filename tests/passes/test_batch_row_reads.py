@@ -7,7 +7,6 @@ and end to end, a compiled model's gradients and statistics with and without the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx import GraphModule
@@ -15,8 +14,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoscale
 from autoscale.measure import row_scale, row_scales
-from autoscale.passes import PIPELINE, PassSpec, batch_row_reads, run_stage
-from tests.models import mlp_case
+from autoscale.passes import PassSpec, batch_row_reads, run_stage
+from tests.helpers import step_through_pipeline
 
 ROWS = 6
 
@@ -59,17 +58,8 @@ def test_one_call_per_scales_tensor_reads_what_the_points_read(first: list[int],
 def test_a_compiled_model_computes_the_same_with_and_without_the_pass() -> None:
     """End to end (eager executor): one backward's statistics and gradients are identical whether
     the points read their rows one by one or from the pass's one call."""
-    results = []
-    for pipeline in (PIPELINE, tuple(p for p in PIPELINE if p.fn is not batch_row_reads)):
-        torch.manual_seed(0)
-        model, (x,), y = mlp_case()
-        scaler = autoscale.GradScaler(model)
-        backend = autoscale.Backend(autoscale.Config(executor="eager", verify=True), pipeline=pipeline)
-        scaler.scale(F.cross_entropy(torch.compile(model, backend=backend)(x), y)).backward()
-        state = scaler._state
-        assert state is not None
-        joint = [r.counts for record in backend.records for r in record.passes if r.name == "batch_row_reads"]
-        results.append((state.stats.clone(), [p.grad.clone() for p in model.parameters()], joint))
-    (stats, grads, counts), (stats0, grads0, counts0) = results
-    assert stats.equal(stats0) and all(a.equal(b) for a, b in zip(grads, grads0, strict=True))
-    assert counts0 == [] and len(counts) == 1 and counts[0]["calls"] == 1 and counts[0]["reads"] > 2
+    batched, alone = step_through_pipeline(batch_row_reads), step_through_pipeline(batch_row_reads, without=True)
+    assert batched.stats.equal(alone.stats) and len(batched.grads) == len(alone.grads)
+    assert all(a.equal(b) for a, b in zip(batched.grads, alone.grads, strict=True))
+    assert alone.counts == [] and len(batched.counts) == 1
+    assert batched.counts[0]["calls"] == 1 and batched.counts[0]["reads"] > 2
