@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 __all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "LOSS_ROW", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM",
-           "Measured", "fold", "point_backward", "record", "row_scale", "row_scales", "scale_and_measure",
+           "Measured", "fold", "point_backward", "record", "scale_and_measure", "set_scale", "set_scales",
            "taken"]
 
 aten = torch.ops.aten
@@ -198,84 +197,119 @@ def _overflow_threshold(dtype: torch.dtype) -> float:
     return float(info.max) + step / 2
 
 
-def _row_scales(scales: torch.Tensor) -> list[torch.Tensor]:
-    """Each row's scale as a 0-dim tensor of its own (``torch.ops.autoscale.row_scales``): what a
-    compiled graph's points read their scales from.
+def _set_scales(scales: torch.Tensor, rows: list[int], ends: list[int]) -> list[torch.Tensor]:
+    """The largest scale of each set of rows (``_max_of``), each in a 0-dim tensor of its own
+    (``torch.ops.autoscale.set_scales``): what a compiled graph's points read their two scales from.
+    Set ``k`` is ``rows[ends[k - 1]:ends[k]]``.
 
-    Why not ``scales[row]``: Inductor writes a select's index into the kernel's source as a
-    constant, so the points of two identical layers (rows 7 and 10, rows 21 and 24) compiled to
-    two kernels that differ in one number: a model compiled one set of point kernels per layer (a
-    3+3-layer T5: 116 C++ kernels, where Inductor without scaling compiles a repeated layer's once,
-    40). Read from a buffer of its own, a scale is a kernel argument, and identical layers share
-    their kernels (67). As an op of its own it stays one call per graph (Inductor would inline
-    ``unbind_copy``'s decomposition back into selects): the points read single rows
-    (``row_scale``), and ``passes/batch_row_reads.py`` gathers a graph's reads into one call.
-    Defined through ``torch.library.Library`` rather than ``custom_op``, whose Python wrapper
-    doubled the call's cost (~10 µs), paid at every step: the copies are ``unbind_copy``'s, one
-    storage each, as the schema promises.
+    Why the sets' scales, computed apart: a point's factor is the largest scale of the rows its
+    gradient leaves with over the largest of those it arrived with, and a merge on a residual
+    stream takes the union of every later layer's rows (a 3+3-layer T5: sets of up to 19 rows).
+    Computed in the point's kernel, each row was a kernel argument and each set a chain of
+    maximums: the points of layers that differ only in depth compiled to kernels that differ in
+    their arity, and Inductor's fusion search paired nodes by the row buffers they shared. Read
+    as two buffers, every point's kernel takes the same two arguments, and repeated layers share
+    kernels. As one op, the sets are one gather and one reduction per graph.
+
+    Why not ``scales[row]`` in the kernel: Inductor writes a select's index into the kernel's
+    source as a constant, so identical layers compiled a kernel each. As an op of its own it
+    stays one call per graph (Inductor would inline ``unbind_copy``'s decomposition back into
+    selects): the points read their sets one by one (``set_scale``), and
+    ``passes/batch_row_reads.py`` gathers a graph's reads into one call. Defined through
+    ``torch.library.Library`` rather than ``custom_op``, whose Python wrapper doubled the call's
+    cost (~10 µs), paid at every step: the copies are ``unbind_copy``'s, one storage each, as the
+    schema promises.
     """
-    return torch.ops.aten.unbind_copy.int(scales)
+    return torch.ops.aten.unbind_copy.int(_largest(scales, rows, ends))
 
 
-def _row_scales_cuda(scales: torch.Tensor) -> list[torch.Tensor]:
-    """``_row_scales`` in one launch (registered for CUDA): ``unbind_copy`` launches a copy per row,
-    and a step bound by the host's launches pays for each (a T5 has hundreds of rows). On a CPU
-    ``unbind_copy`` is the faster, one C++ call against this loop in Python (18 against 35 µs)."""
-    rows = [torch.empty((), dtype=scales.dtype, device=scales.device) for _ in range(scales.shape[0])]
-    torch._foreach_copy_(rows, scales.unbind())
-    return rows
+def _set_scales_cuda(scales: torch.Tensor, rows: list[int], ends: list[int]) -> list[torch.Tensor]:
+    """``_set_scales`` with its copies in one launch (registered for CUDA): ``unbind_copy`` launches
+    a copy per set, and a step bound by the host's launches pays for each (a T5 has hundreds)."""
+    largest = _largest(scales, rows, ends)
+    sets = [torch.empty((), dtype=scales.dtype, device=scales.device) for _ in range(largest.shape[0])]
+    torch._foreach_copy_(sets, largest.unbind())
+    return sets
 
 
-def _row_scale(scales: torch.Tensor, row: int) -> torch.Tensor:
-    """One row's scale in a 0-dim tensor of its own (``torch.ops.autoscale.row_scale``): what a point
-    reads when traced. Tracing ``row_scales`` itself at every point made a node and a fake tensor
-    per row per point, all but one set of them dead: O(points × rows), 232 × 100 on a 3+3-layer
-    T5, about 10 of its first step's 90 s. Left ungathered (a joint stage without
-    ``batch_row_reads``), each read is a call of its own and computes the same."""
-    return scales[row].clone()
+def _largest(scales: torch.Tensor, rows: list[int], ends: list[int]) -> torch.Tensor:
+    """Each set's largest scale as a vector: one gather from ``scales`` extended by a 1 (what the
+    loss row and an empty set read, ``LOSS_ROW``), one reduction over the sets padded to one length."""
+    index = _gather_plan(tuple(rows), tuple(ends), scales.shape[0], scales.device)
+    ones = torch.ops.aten.constant_pad_nd.default(scales, [0, 1], 1.0)
+    return ones[index].amax(dim=1)
+
+
+@functools.lru_cache(maxsize=256)
+def _gather_plan(rows: tuple[int, ...], ends: tuple[int, ...], num_rows: int, device: torch.device) -> torch.Tensor:
+    """``_largest``'s index: one line per set, its rows (``num_rows`` for the loss row's and an empty
+    set's 1), padded with its first entry. Cached: a graph asks for the same sets at every step."""
+    sets, start = [], 0
+    for end in ends:
+        chosen = [num_rows if row == LOSS_ROW else row for row in rows[start:end]] or [num_rows]
+        sets.append(chosen)
+        start = end
+    width = max((len(s) for s in sets), default=1)
+    return torch.tensor([s + [s[0]] * (width - len(s)) for s in sets], dtype=torch.long,
+                        device=device).reshape(len(sets), width)
+
+
+def _set_scale(scales: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """One set's largest scale in a 0-dim tensor of its own (``torch.ops.autoscale.set_scale``): what
+    a point reads when traced. Tracing ``set_scales`` of all the sets at every point would make a
+    node and a fake tensor per set per point, all but one set of them dead (O(points²)). Left
+    ungathered (a joint stage without ``batch_row_reads``), each read is a call of its own and
+    computes the same."""
+    (largest,) = _set_scales(scales, rows, [len(rows)])
+    return largest
 
 
 _LIBRARY = torch.library.Library("autoscale", "FRAGMENT")
-_LIBRARY.define("row_scales(Tensor scales) -> Tensor[]")
-_LIBRARY.impl("row_scales", _row_scales, "CompositeExplicitAutograd")
-_LIBRARY.impl("row_scales", _row_scales_cuda, "CUDA")
-_LIBRARY.define("row_scale(Tensor scales, int row) -> Tensor")
-_LIBRARY.impl("row_scale", _row_scale, "CompositeExplicitAutograd")
+_LIBRARY.define("set_scales(Tensor scales, int[] rows, int[] ends) -> Tensor[]")
+_LIBRARY.impl("set_scales", _set_scales, "CompositeExplicitAutograd")
+_LIBRARY.impl("set_scales", _set_scales_cuda, "CUDA")
+_LIBRARY.define("set_scale(Tensor scales, int[] rows) -> Tensor")
+_LIBRARY.impl("set_scale", _set_scale, "CompositeExplicitAutograd")
 
 
-def _row_scales_fake(scales: torch.Tensor) -> list[torch.Tensor]:
-    return [torch.empty((), dtype=scales.dtype, device=scales.device) for _ in range(scales.shape[0])]
+def _set_scales_fake(scales: torch.Tensor, rows: list[int], ends: list[int]) -> list[torch.Tensor]:
+    return [torch.empty((), dtype=scales.dtype, device=scales.device) for _ in ends]
 
 
-def _row_scale_fake(scales: torch.Tensor, row: int) -> torch.Tensor:
+def _set_scale_fake(scales: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return torch.empty((), dtype=scales.dtype, device=scales.device)
 
 
-torch.library.register_fake("autoscale::row_scales", _row_scales_fake, lib=_LIBRARY)
-torch.library.register_fake("autoscale::row_scale", _row_scale_fake, lib=_LIBRARY)
+torch.library.register_fake("autoscale::set_scales", _set_scales_fake, lib=_LIBRARY)
+torch.library.register_fake("autoscale::set_scale", _set_scale_fake, lib=_LIBRARY)
 
 
-row_scales = torch.ops.autoscale.row_scales.default
-row_scale = torch.ops.autoscale.row_scale.default
+set_scales = torch.ops.autoscale.set_scales.default
+set_scale = torch.ops.autoscale.set_scale.default
 
 
-def _row_reader() -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """How a point reads a row's scale: traced for a compiled graph, ``row_scale`` (see
-    ``_row_scales``); run eagerly (``autoscale.convert``), a select, free where a copy per row
-    would be paid at every point."""
-    return row_scale if torch.compiler.is_compiling() else operator.getitem
+def _scale_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """The largest scale of ``rows`` (``_max_of``): traced for a compiled graph, ``set_scale`` of the
+    rows in order, each once (so that equal sets are one read; see ``_set_scales``); run eagerly
+    (``autoscale.convert``), ``_max_of``'s selects, free where a copy would be paid at every point.
+    A set of no row but the loss row's is 1, a constant, not a read: as one buffer, it was an
+    argument of every unscale point's kernel, which Inductor's fusion search paired, one by one,
+    as nodes reading one buffer (``_max_of``)."""
+    if torch.compiler.is_compiling() and any(row != LOSS_ROW for row in rows):
+        return set_scale(scales, sorted(set(rows)))
+    return _max_of(scales, rows)
 
 
-def _max_of(scales: torch.Tensor, rows: tuple[int, ...], read: Callable[[torch.Tensor, int], torch.Tensor]
-            ) -> torch.Tensor:
-    """The largest of the scales of ``rows`` (1 for none), each read with ``read``; the loss row's,
-    1 (``LOSS_ROW``), is not read. Read, it was a kernel argument of every point next to the loss
-    or the residual stream (61 nodes of a 1+1-layer T5's backward), which Inductor's fusion search
-    grouped and paired, one by one, as nodes reading one buffer."""
+def _max_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """The largest of the scales of ``rows`` (1 for none); the loss row's, 1 (``LOSS_ROW``), is not
+    read: where it is one of them, the others' largest is clamped at 1. (Read, it was a kernel
+    argument of every point next to the loss or the residual stream, 61 nodes of a 1+1-layer T5's
+    backward, which Inductor's fusion search grouped and paired, one by one, as nodes reading one
+    buffer.)"""
     read_rows = [row for row in rows if row != LOSS_ROW]
     if not read_rows:
         return torch.ones((), dtype=scales.dtype, device=scales.device)
-    largest = functools.reduce(torch.maximum, (read(scales, row) for row in read_rows))
+    largest = functools.reduce(torch.maximum, (scales[row] for row in read_rows))
     return largest.clamp_min(1.0) if len(read_rows) < len(rows) else largest
 
 
@@ -297,8 +331,7 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     is checked, and ``GradScaler.step`` skips the step. All of it is read from the point's one
     value (``MODES``).
     """
-    read = _row_reader()
-    out, m = scale_and_measure(grad, _max_of(scales, out_rows, read), _max_of(scales, in_rows, read), leaving=unscale,
+    out, m = scale_and_measure(grad, _scale_of(scales, out_rows), _scale_of(scales, in_rows), leaving=unscale,
                                moments=moments, zeros=unscale, fused=fused)
     values: list[torch.Tensor] = []
     cells: list[int] = []

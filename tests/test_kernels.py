@@ -8,7 +8,6 @@ partial sums atomically, in another order).
 from __future__ import annotations
 
 import math
-import operator
 import os
 
 import pytest
@@ -187,30 +186,37 @@ def test_op_has_fake_impl_and_reference_cpu_path() -> None:
     assert fake_out.shape == g.shape and fake_stats.dtype == torch.float64 and fake_stats.shape == (len(STATS),)
 
 
-def test_row_scales_hands_each_row_in_a_storage_of_its_own() -> None:
-    """``autoscale::row_scales`` (what a compiled graph's points read their scales from) and
-    ``autoscale::row_scale`` (one row: what a point reads when traced): each row's value, in its own
-    storage as the schemas promise (no output aliases the input or another), and fake impls."""
-    scales = torch.tensor([1.0, 2.0**15, 0.5])
-    # (the op, and CUDA's implementation of it, which copies every row in one launch; one row at a time)
-    for rows in (autoscale.measure.row_scales(scales), autoscale.measure._row_scales_cuda(scales),
-                 [autoscale.measure.row_scale(scales, row) for row in range(3)]):
-        assert [r.item() for r in rows] == scales.tolist() and all(r.dim() == 0 for r in rows)
-        assert len({r.untyped_storage().data_ptr() for r in rows} | {scales.untyped_storage().data_ptr()}) == 4
-    torch.library.opcheck(torch.ops.autoscale.row_scales.default, (scales,))
-    torch.library.opcheck(torch.ops.autoscale.row_scale.default, (scales, 1))
+@settings(max_examples=40, deadline=None)
+@given(sets=st.lists(st.lists(st.integers(0, 5), max_size=5), min_size=1, max_size=6))
+def test_set_scales_hands_each_sets_largest_scale_in_a_storage_of_its_own(sets: list[list[int]]) -> None:
+    """``autoscale::set_scales`` (what a compiled graph's points read their scales from), CUDA's
+    implementation of it (its copies in one launch) and ``autoscale::set_scale`` (one set: what a
+    point reads when traced): each set's largest scale as ``_max_of`` computes it eagerly (the loss
+    row's and an empty set's 1), each in its own storage as the schemas promise (no output aliases
+    the input or another), and fake impls."""
+    scales = torch.tensor([1.0, 2.0**15, 0.5, 2.0**-3, 8.0, 3.0])
+    rows, ends = [r for s in sets for r in s], [sum(map(len, sets[:k + 1])) for k in range(len(sets))]
+    expected = [_max_of(scales, tuple(s)).item() for s in sets]
+    for largest in (autoscale.measure.set_scales(scales, rows, ends),
+                    autoscale.measure._set_scales_cuda(scales, rows, ends),
+                    [autoscale.measure.set_scale(scales, s) for s in sets]):
+        assert [x.item() for x in largest] == expected and all(x.dim() == 0 for x in largest)
+        storages = {x.untyped_storage().data_ptr() for x in largest} | {scales.untyped_storage().data_ptr()}
+        assert len(storages) == len(sets) + 1
+    torch.library.opcheck(torch.ops.autoscale.set_scales.default, (scales, rows, ends))
+    torch.library.opcheck(torch.ops.autoscale.set_scale.default, (scales, sets[0]))
 
 
 def test_a_point_takes_the_loss_rows_scale_as_one_without_reading_it() -> None:
     """The loss row's scale is 1 by construction (``LOSS_ROW``): a point never reads it (here it is
     nan, which any read would carry through), and takes it as 1 in a largest-of; read eagerly (a
-    select) or as traced (``row_scale``), alike."""
+    select) or as traced (``set_scale``), alike."""
     scales = torch.tensor([math.nan, 4.0, 0.5])
     assert LOSS_ROW == 0
-    for read in (operator.getitem, autoscale.measure.row_scale):
-        assert _max_of(scales, (0,), read).item() == 1.0 and _max_of(scales, (), read).item() == 1.0
-        assert _max_of(scales, (0, 2), read).item() == 1.0 and _max_of(scales, (0, 1), read).item() == 4.0
-        assert _max_of(scales, (2,), read).item() == 0.5 and _max_of(scales, (1, 2), read).item() == 4.0
+    for read in (lambda rows: _max_of(scales, rows), lambda rows: autoscale.measure.set_scale(scales, list(rows))):
+        assert read((0,)).item() == 1.0 and read(()).item() == 1.0
+        assert read((0, 2)).item() == 1.0 and read((0, 1)).item() == 4.0
+        assert read((2,)).item() == 0.5 and read((1, 2)).item() == 4.0
 
 
 def _through_rescale(grad: torch.Tensor, scales: list[float], out_rows: tuple[int, ...], in_rows: tuple[int, ...],
