@@ -233,25 +233,44 @@ def _set_scales_cuda(scales: torch.Tensor, rows: list[int], ends: list[int]) -> 
 
 
 def _largest(scales: torch.Tensor, rows: list[int], ends: list[int]) -> torch.Tensor:
-    """Each set's largest scale as a vector: one gather from ``scales`` extended by a 1 (what the
-    loss row and an empty set read, ``LOSS_ROW``), one reduction over the sets padded to one length."""
-    index = _gather_plan(tuple(rows), tuple(ends), scales.shape[0], scales.device)
-    ones = torch.ops.aten.constant_pad_nd.default(scales, [0, 1], 1.0)
-    return ones[index].amax(dim=1)
+    """Each set's largest scale as a vector: one gather from ``scales`` and one reduction over the
+    sets padded to one length. The loss row's scale is never read (``LOSS_ROW``): a set that holds
+    it and others takes their largest clamped at 1, a set of no other row is 1; the ops for either
+    run only where some set asks for them (``_gather_plan``)."""
+    plan = _gather_plan(tuple(rows), tuple(ends), scales.device)
+    largest = scales.take(plan.rows).amax(dim=1)
+    if plan.floor is not None:
+        largest = torch.maximum(largest, plan.floor)
+    return largest if plan.empty is None else torch.where(plan.empty, 1.0, largest)
+
+
+class _Plan(NamedTuple):
+    """How ``_largest`` computes its sets' scales: ``rows`` holds one line per set, its rows but
+    the loss row's, padded with its first one (row 0, unused, for a set of none); ``floor`` is 1 for
+    a set that also holds the loss row and 0 for the others (scales are positive), None if no set
+    does; ``empty`` marks the sets of no row but the loss row's, None if there are none."""
+
+    rows: torch.Tensor
+    floor: torch.Tensor | None
+    empty: torch.Tensor | None
 
 
 @functools.lru_cache(maxsize=256)
-def _gather_plan(rows: tuple[int, ...], ends: tuple[int, ...], num_rows: int, device: torch.device) -> torch.Tensor:
-    """``_largest``'s index: one line per set, its rows (``num_rows`` for the loss row's and an empty
-    set's 1), padded with its first entry. Cached: a graph asks for the same sets at every step."""
-    sets, start = [], 0
+def _gather_plan(rows: tuple[int, ...], ends: tuple[int, ...], device: torch.device) -> _Plan:
+    """``_largest``'s plan for the sets ``rows[ends[k - 1]:ends[k]]``. Cached: a graph asks for the
+    same sets at every step."""
+    sets, floors, empty, start = [], [], [], 0
     for end in ends:
-        chosen = [num_rows if row == LOSS_ROW else row for row in rows[start:end]] or [num_rows]
-        sets.append(chosen)
+        chosen = rows[start:end]
+        read = [row for row in chosen if row != LOSS_ROW]
+        sets.append(read or [0])
+        floors.append(1.0 if read and len(read) < len(chosen) else 0.0)
+        empty.append(not read)
         start = end
     width = max((len(s) for s in sets), default=1)
-    return torch.tensor([s + [s[0]] * (width - len(s)) for s in sets], dtype=torch.long,
-                        device=device).reshape(len(sets), width)
+    index = torch.tensor([s + [s[0]] * (width - len(s)) for s in sets], dtype=torch.long, device=device)
+    return _Plan(index.reshape(len(sets), width), torch.tensor(floors, device=device) if any(floors) else None,
+                 torch.tensor(empty, device=device) if any(empty) else None)
 
 
 def _set_scale(scales: torch.Tensor, rows: list[int]) -> torch.Tensor:
