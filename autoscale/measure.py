@@ -39,8 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "LOSS_ROW", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM",
-           "Measured", "fold", "point_backward", "record", "scale_and_measure", "set_scale", "set_scales",
-           "taken"]
+           "Measured", "fold", "point_backward", "record", "scale_and_measure", "set_scale", "taken"]
 
 aten = torch.ops.aten
 
@@ -52,8 +51,9 @@ STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5,
 NUM_STATS = len(STAT)
 LOSS_ROW = 0
 """The row of the scale the loss's gradient starts with: 1, always (a layer's row is never row 0,
-``update`` keeps it, and the scaler multiplies the loss outside the graphs). So a point does not
-read it: a scale it would take the largest of with others is a ``clamp_min(1)`` (``_max_of``)."""
+``update`` keeps it, and the scaler multiplies the loss outside the graphs). So eagerly a point does
+not read it: a scale it would take the largest of with others is a ``clamp_min(1)`` (``_max_of``);
+a compiled graph's reduction over a set's rows reads it as the 1 it is (``passes/batch_row_reads.py``)."""
 ANY_NONFINITE = STAT["amax"]
 """The cell of row 0 (the loss scale's, which no rule moves and no point measures) that holds
 whether any point saw a non-finite value: ``GradScaler.step`` reads this one value (flat index)."""
@@ -197,120 +197,32 @@ def _overflow_threshold(dtype: torch.dtype) -> float:
     return float(info.max) + step / 2
 
 
-def _set_scales(scales: torch.Tensor, rows: list[int], ends: list[int]) -> list[torch.Tensor]:
-    """The largest scale of each set of rows (``_max_of``), each in a 0-dim tensor of its own
-    (``torch.ops.autoscale.set_scales``): what a compiled graph's points read their two scales from.
-    Set ``k`` is ``rows[ends[k - 1]:ends[k]]``.
-
-    Why the sets' scales, computed apart: a point's factor is the largest scale of the rows its
-    gradient leaves with over the largest of those it arrived with, and a merge on a residual
-    stream takes the union of every later layer's rows (a 3+3-layer T5: sets of up to 19 rows).
-    Computed in the point's kernel, each row was a kernel argument and each set a chain of
-    maximums: the points of layers that differ only in depth compiled to kernels that differ in
-    their arity, and Inductor's fusion search paired nodes by the row buffers they shared. Read
-    as two buffers, every point's kernel takes the same two arguments, and repeated layers share
-    kernels. As one op, the sets are one gather and one reduction per graph.
-
-    Why not ``scales[row]`` in the kernel: Inductor writes a select's index into the kernel's
-    source as a constant, so identical layers compiled a kernel each. As an op of its own it
-    stays one call per graph (Inductor would inline ``unbind_copy``'s decomposition back into
-    selects): the points read their sets one by one (``set_scale``), and
-    ``passes/batch_row_reads.py`` gathers a graph's reads into one call. Defined through
-    ``torch.library.Library`` rather than ``custom_op``, whose Python wrapper doubled the call's
-    cost (~10 µs), paid at every step: the copies are ``unbind_copy``'s, one storage each, as the
-    schema promises.
-    """
-    return torch.ops.aten.unbind_copy.int(_largest(scales, rows, ends))
-
-
-def _set_scales_cuda(scales: torch.Tensor, rows: list[int], ends: list[int]) -> list[torch.Tensor]:
-    """``_set_scales`` with its copies in one launch (registered for CUDA): ``unbind_copy`` launches
-    a copy per set, and a step bound by the host's launches pays for each (a 3+3-layer T5 reads 90
-    sets)."""
-    largest = _largest(scales, rows, ends)
-    out = [torch.empty((), dtype=scales.dtype, device=scales.device) for _ in range(largest.shape[0])]
-    torch._foreach_copy_(out, largest.unbind())
-    return out
-
-
-def _largest(scales: torch.Tensor, rows: list[int], ends: list[int]) -> torch.Tensor:
-    """Each set's largest scale as a vector: one gather from ``scales`` and one reduction over the
-    sets padded to one length. The loss row's scale is never read (``LOSS_ROW``): a set that holds
-    it and others takes their largest clamped at 1, a set of no other row is 1; the ops for either
-    run only where some set asks for them (``_gather_plan``)."""
-    plan = _gather_plan(tuple(rows), tuple(ends), scales.device)
-    largest = scales.take(plan.rows).amax(dim=1)
-    if plan.floor is not None:
-        largest = torch.maximum(largest, plan.floor)
-    return largest if plan.empty is None else torch.where(plan.empty, 1.0, largest)
-
-
-class _Plan(NamedTuple):
-    """How ``_largest`` computes its sets' scales: ``rows`` holds one line per set, its rows but
-    the loss row's, padded with its first one (row 0, unused, for a set of none); ``floor`` is 1 for
-    a set that also holds the loss row and 0 for the others (scales are positive), None if no set
-    does; ``empty`` marks the sets of no row but the loss row's, None if there are none."""
-
-    rows: torch.Tensor
-    floor: torch.Tensor | None
-    empty: torch.Tensor | None
-
-
-@functools.lru_cache(maxsize=256)
-def _gather_plan(rows: tuple[int, ...], ends: tuple[int, ...], device: torch.device) -> _Plan:
-    """``_largest``'s plan for the sets ``rows[ends[k - 1]:ends[k]]``. Cached: a graph asks for the
-    same sets at every step."""
-    sets, floors, empty, start = [], [], [], 0
-    for end in ends:
-        chosen = rows[start:end]
-        read = [row for row in chosen if row != LOSS_ROW]
-        sets.append(read or [0])
-        floors.append(1.0 if read and len(read) < len(chosen) else 0.0)
-        empty.append(not read)
-        start = end
-    width = max((len(s) for s in sets), default=1)
-    index = torch.tensor([s + [s[0]] * (width - len(s)) for s in sets], dtype=torch.long, device=device)
-    return _Plan(index.reshape(len(sets), width), torch.tensor(floors, device=device) if any(floors) else None,
-                 torch.tensor(empty, device=device) if any(empty) else None)
-
-
 def _set_scale(scales: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """One set's largest scale in a 0-dim tensor of its own (``torch.ops.autoscale.set_scale``): what
-    a point reads when traced. Tracing ``set_scales`` of all the sets at every point would make a
-    node and a fake tensor per set per point, all but one set of them dead (O(points × sets)). Left
-    ungathered (a joint stage without ``batch_row_reads``), each read is a call of its own and
-    computes the same."""
-    (largest,) = _set_scales(scales, rows, [len(rows)])
-    return largest
-
-
-_LIBRARY = torch.library.Library("autoscale", "FRAGMENT")
-_LIBRARY.define("set_scales(Tensor scales, int[] rows, int[] ends) -> Tensor[]")
-_LIBRARY.impl("set_scales", _set_scales, "CompositeExplicitAutograd")
-_LIBRARY.impl("set_scales", _set_scales_cuda, "CUDA")
-_LIBRARY.define("set_scale(Tensor scales, int[] rows) -> Tensor")
-_LIBRARY.impl("set_scale", _set_scale, "CompositeExplicitAutograd")
-
-
-def _set_scales_fake(scales: torch.Tensor, rows: list[int], ends: list[int]) -> list[torch.Tensor]:
-    return [torch.empty((), dtype=scales.dtype, device=scales.device) for _ in ends]
+    """The largest scale of ``rows`` (``_max_of``) in a 0-dim tensor of its own: what a point reads
+    when traced (``torch.ops.autoscale.set_scale``), one op per read, so that the joint-stage pass
+    ``passes/batch_row_reads.py`` finds a graph's reads and computes each distinct set once, as a
+    reduction of its own that the points' kernels receive as an argument (why: that module). Left
+    ungathered (a joint stage without the pass), each read runs as an op and computes the same.
+    Defined through ``torch.library.Library`` rather than ``custom_op``, whose Python wrapper
+    doubled the cost of a small call."""
+    return _max_of(scales, tuple(rows)).clone()
 
 
 def _set_scale_fake(scales: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return torch.empty((), dtype=scales.dtype, device=scales.device)
 
 
-torch.library.register_fake("autoscale::set_scales", _set_scales_fake, lib=_LIBRARY)
+_LIBRARY = torch.library.Library("autoscale", "FRAGMENT")
+_LIBRARY.define("set_scale(Tensor scales, int[] rows) -> Tensor")
+_LIBRARY.impl("set_scale", _set_scale, "CompositeExplicitAutograd")
 torch.library.register_fake("autoscale::set_scale", _set_scale_fake, lib=_LIBRARY)
 
-
-set_scales = torch.ops.autoscale.set_scales.default
 set_scale = torch.ops.autoscale.set_scale.default
 
 
 def _scale_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
     """The largest scale of ``rows`` (``_max_of``): traced for a compiled graph, ``set_scale`` of the
-    rows in order, each once (so that equal sets are one read; see ``_set_scales``); run eagerly
+    rows in order, each once (so that equal sets are one read; see ``_set_scale``); run eagerly
     (``autoscale.convert``), ``_max_of``'s selects, free where a copy would be paid at every point.
     A set of no row but the loss row's is 1, a constant, not a read: as one buffer, it was an
     argument of every unscale point's kernel, which Inductor's fusion search paired, one by one,

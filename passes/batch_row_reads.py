@@ -1,71 +1,120 @@
-"""Read the scales of all a graph's rescale points with one ``autoscale::set_scales`` call.
+"""Compute each set of rows' scale once per graph, as a small reduction that repeated layers share.
 
-A compiled graph's points read the two scales their factor is made of — the largest scale of the
-rows the gradient leaves with, and of those it arrived with — from 0-dim buffers of their own
-(``autoscale.measure._set_scales``: read in the points' kernels, the rows made kernels of repeated
-layers differ). Traced, each point reads each of its two sets of rows with ``autoscale::set_scale``,
-one small op. This pass gathers the reads after the trace: per scales tensor one ``set_scales``
-before the first read, over the distinct sets read, and each read replaced by that call's output
-for its set. The same values, and at run time one call.
+A point's factor is the largest scale of the rows its gradient leaves with over the largest of those
+it arrived with (``autoscale.measure._scale_of``). Traced, a point reads each of its two sets of rows
+with ``autoscale::set_scale``. This pass replaces the reads of each distinct set by one reduction,
+``amax(scales[rows])``, with the set's rows in an index tensor of its own (a constant of the graph),
+every set padded to the graph's widest, and to two rows at least, by repeating its first row (a max
+does not mind repeats; a set of no row is the loss row's, whose scale is 1). At least two: Inductor
+turns a reduction over one element into a load, which it inlines into the reader's kernel with the
+row as a constant.
 
-Why not trace ``set_scales`` of every set at each point and leave the rest to AOTAutograd's
-common-subexpression pass: every call would make a node and a fake tensor per set, all but the
-first call's dead, O(points × sets) in the trace. Tracing every row at every point that way was
-about 10 s of a 3+3-layer T5's 90 s first step (232 points, 100 rows).
+Why a reduction, with its rows in a tensor: Inductor writes a reduction to a buffer of its own, so
+every point's kernel receives its two scales as arguments, whatever their rows, and the points of
+repeated layers compile to one kernel. The index being an argument too, and every set as wide, the
+sets' reductions are one source, which Inductor fuses side by side (up to 16 in a C++ loop nest)
+into kernels that repeated layers also share. What did not work, on a 3+3-layer T5:
+
+* a row index in the point's kernel (``scales[row]``): kernels that differed in one number, one per
+  layer, 116 C++ kernels against Inductor's 40;
+* each row a buffer of its own and their largest taken in the point's kernel: a merge on a residual
+  stream takes the union of every later layer's rows (up to 19), so points at each depth took
+  another number of arguments and Inductor grouped them otherwise, 67 kernels;
+* a reduction over the rows written as constants (``cat(scales[r:r+1], ...)``), of each set's own
+  length: 96 kernels, the reductions of different sets being different sources;
+* one extern op computing every set and copying each into a buffer (``set_scales``): 60 kernels,
+  as now (59), but its Python call cost 43–58 µs a backward, a third of what the points added to the
+  quick transformer block's backward (docs/results/overhead_quick.md).
+
+The loss row (``autoscale.measure.LOSS_ROW``) is read like any other: its scale is 1 by the state's
+invariant, which makes a set's largest scale clamped at 1, as ``_max_of`` computes it eagerly.
+
+Why after the trace: a point cannot know the graph's other sets, and AOTAutograd's
+common-subexpression pass merges reads of one set across points only as one op.
 """
 
 from __future__ import annotations
 
-import itertools
-import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 
-from autoscale.measure import set_scale, set_scales
+from autoscale.measure import LOSS_ROW, set_scale
 
 from .graph_utils import new_node, provenance
 from .manager import PassResult
 
 if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from autoscale.config import Config
 
 __all__ = ["batch_row_reads"]
 
 PASS = "batch_row_reads"
+aten = torch.ops.aten
 
 
 def batch_row_reads(gm: GraphModule, cfg: Config) -> PassResult:
-    """Replace every ``set_scale`` read by an output of one ``set_scales`` per scales tensor."""
+    """Replace the reads of each distinct set of rows by one reduction over its scales."""
     graph = gm.graph
     reads = graph.find_nodes(op="call_function", target=set_scale)  # (in graph order)
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
-    if not reads or fake_mode is None:  # (no fake values to type the outputs with: leave the reads)
-        return PassResult(gm, modified=False, counts={"reads": 0, "calls": 0, "sets": 0})
+    if not reads or fake_mode is None:  # (no fake values to type the new nodes with: leave the reads)
+        return PassResult(gm, modified=False, counts={"reads": 0, "sets": 0})
     by_source: dict[Node, list[Node]] = {}
     for read in reads:
         by_source.setdefault(_source(read), []).append(read)
-    distinct = 0
+    width = max(2, *(len(_rows(read)) for read in reads))
+    build = _Builder(gm, fake_mode)
+    sets = 0
     for source, its_reads in by_source.items():
-        sets = sorted({_rows(read) for read in its_reads})
-        distinct += len(sets)
-        rows, ends = list(itertools.chain.from_iterable(sets)), list(itertools.accumulate(map(len, sets)))
-        with graph.inserting_before(its_reads[0]):
-            every = new_node(graph, "call_function", set_scales, (source, rows, ends))
-            with fake_mode:
-                every.meta["val"] = set_scales(source.meta["val"], rows, ends)
-            provenance(every, PASS, "the largest scale of each set of rows the graph's rescale points read",
-                       created=True)
-            outputs: dict[tuple[int, ...], Node] = {}
-            for k, chosen in enumerate(sets):
-                outputs[chosen] = new_node(graph, "call_function", operator.getitem, (every, k))
-                outputs[chosen].meta["val"] = every.meta["val"][k]
-                provenance(outputs[chosen], PASS, f"the largest scale of rows {list(chosen)}", created=True)
+        largest: dict[tuple[int, ...], Node] = {}
+        with graph.inserting_before(its_reads[0]):  # (all before the first read: the backward's start)
+            for rows in sorted({_rows(read) for read in its_reads}):
+                padded = list(rows or (LOSS_ROW,))
+                padded += [padded[0]] * (width - len(padded))
+                why = f"the largest scale of rows {list(rows)}"
+                gathered = build.call(why, aten.index.Tensor, source, [build.rows(padded, source, why)])
+                largest[rows] = build.call(why, aten.amax.default, gathered, [0, 1])
         for read in its_reads:
-            read.replace_all_uses_with(outputs[_rows(read)])
+            read.replace_all_uses_with(largest[_rows(read)])
             graph.erase_node(read)
-    return PassResult(gm, modified=True, counts={"reads": len(reads), "calls": len(by_source), "sets": distinct})
+        sets += len(largest)
+    return PassResult(gm, modified=True, counts={"reads": len(reads), "sets": sets})
+
+
+class _Builder:
+    """Creates the reductions' nodes at the graph's insert point, with their fake values."""
+
+    def __init__(self, gm: GraphModule, fake_mode: FakeTensorMode) -> None:
+        self.gm, self.fake_mode, self.made = gm, fake_mode, 0
+
+    def call(self, why: str, target: Any, *args: Any) -> Node:
+        node = new_node(self.gm.graph, "call_function", target, args)
+        with self.fake_mode:
+            node.meta["val"] = target(*map_arg(args, lambda a: a.meta["val"]))
+        provenance(node, PASS, why, created=True)
+        return node
+
+    def rows(self, rows: list[int], scales: Node, why: str) -> Node:
+        """A set's rows as a constant of the graph on ``scales``' device: a get_attr of a real tensor
+        (the pass may run under the fake mode), read as traced code reads a constant."""
+        with unset_fake_temporarily():
+            # (one row of a matrix: Inductor writes a 1-D constant of up to 8 elements into the
+            # kernel's source, which would make each set's kernel its own)
+            tensor = torch.tensor([rows], dtype=torch.long, device=scales.meta["val"].device)
+        name = f"_autoscale_rows_{self.made}"
+        self.made += 1
+        setattr(self.gm, name, tensor)
+        attr = new_node(self.gm.graph, "get_attr", name, ())
+        attr.meta["val"] = self.fake_mode.from_tensor(tensor, static_shapes=True)
+        provenance(attr, PASS, f"{why}: the rows, padded", created=True)
+        return self.call(why, aten.lift_fresh_copy.default, attr)
 
 
 def _source(read: Node) -> Node:

@@ -28,9 +28,9 @@ def test_scaled_training_step_has_no_graph_breaks_and_fuses_the_scaling() -> Non
     # kernel with the neighbouring backward op (GELU's and ReLU's backward here)
     assert any("amax" in k and "gelu_backward" in k for k in kernels), kernels
     assert any("amax" in k and "threshold_backward" in k for k in kernels), kernels
-    # and the statistics are folded into the state inside a fused kernel, not by an extern call;
-    # the one autoscale op left hands the points their scales
-    assert re.findall(r"torch\.ops\.autoscale\.([\w.]+)\(", backward) == ["set_scales.default"]
+    # and the statistics are folded into the state inside a fused kernel, and the points' scales
+    # computed in one, not by extern calls: no autoscale op is left
+    assert not re.findall(r"torch\.ops\.autoscale\.([\w.]+)\(", backward)
     assert any("copy_" in k for k in kernels), kernels  # (the fold's write into ``stats``)
     assert "attach" not in forward  # the anchor op was removed by the pass
 
@@ -62,7 +62,7 @@ def test_rescale_points_write_in_place() -> None:
 def test_identical_layers_share_their_point_kernels() -> None:
     """The rescale points of identical layers compile to one kernel, called once per layer, as
     Inductor compiles a repeated layer's kernels once without scaling: a point reads its scales
-    from buffers of its own (``autoscale.measure.set_scales``), not at a row index that Inductor
+    from buffers of its own (``passes/batch_row_reads.py``), not at a row index that Inductor
     would write into each kernel's source (a 3+3-layer T5 compiled 116 C++ kernels so, against 40)."""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
@@ -87,16 +87,16 @@ class _Residual(torch.nn.Module):
 def test_residual_blocks_at_every_depth_share_their_point_kernels() -> None:
     """On a residual stream the merges' scales are the largest of every later block's rows (sets
     that grow with depth), yet the blocks' points run the same kernels at every depth: a point
-    reads its two scales as two buffers (``autoscale.measure.set_scales``), whatever the size of
+    reads its two scales as two buffers (``passes/batch_row_reads.py``), whatever the size of
     its sets. Read row by row, each depth's points took another number of row buffers and compiled
     to kernels of their own: here 9 kernels, none called more than twice (a 3+3-layer T5: 34
     backward kernels against 27)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(_Residual(16) for _ in range(8)), torch.nn.Linear(16, 4))
-    # (the first and last blocks differ: the stream starts and ends there; and Inductor's fusion
-    # search places some reductions differently around them)
+    # (the first and last blocks differ: the stream starts and ends there; and a block's kernel that
+    # also computes sets' scales, which AOTAutograd's partitioner places before their first read)
     calls = _gelu_point_kernel_calls(model)
-    assert max(calls.values()) >= 5, calls
+    assert max(calls.values()) >= 4, calls
 
 
 def _gelu_point_kernel_calls(model: torch.nn.Module) -> dict[str, int]:
