@@ -61,6 +61,6 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec(fold_casts, "joint"),
     PassSpec(reduce_at_source, "joint"),  # the points' and checks' maxima read their sources in order
     PassSpec(batch_records, "joint"),  # one fold of the rescale points' statistics per graph
-    PassSpec(batch_row_reads, "joint"),  # one read of the rows' scales per graph
+    PassSpec(batch_row_reads, "joint"),  # each set of rows' scale computed once, in the graph
 )
 """The pipeline, in order."""

@@ -2,18 +2,17 @@
 
 A point's factor is the largest scale of the rows its gradient leaves with over the largest of those
 it arrived with (``autoscale.measure._scale_of``). Traced, a point reads each of its two sets of rows
-with ``autoscale::set_scale``. This pass replaces the reads of each distinct set by one reduction,
-``amax(scales[rows])``, with the set's rows in an index tensor of its own (a constant of the graph),
-every set padded to the graph's widest, and to two rows at least, by repeating its first row (a max
-does not mind repeats; a set of no row is the loss row's, whose scale is 1). At least two: Inductor
-turns a reduction over one element into a load, which it inlines into the reader's kernel with the
-row as a constant.
+with ``autoscale::set_scale``. This pass replaces the reads of each distinct set by one reduction
+over the whole scales vector with the set's rows chosen by a mask, a constant of the graph:
+``amax(where(mask, scales, 0))`` (scales are positive; a set of no row is the loss row's, whose
+scale is 1).
 
 Why a reduction, with its rows in a tensor: Inductor writes a reduction to a buffer of its own, so
 every point's kernel receives its two scales as arguments, whatever their rows, and the points of
-repeated layers compile to one kernel. The index being an argument too, and every set as wide, the
-sets' reductions are one source, which Inductor fuses side by side (up to 16 in a C++ loop nest)
-into kernels that repeated layers also share. What did not work, on a 3+3-layer T5:
+repeated layers compile to one kernel. The mask being an argument too, and every set's reduction as
+long as the scales vector, the sets' reductions are one source, which Inductor fuses side by side
+(up to 16 in a C++ loop nest) into kernels that repeated layers also share. What did not work, on a
+3+3-layer T5:
 
 * a row index in the point's kernel (``scales[row]``): kernels that differed in one number, one per
   layer, 116 C++ kernels against Inductor's 40;
@@ -23,8 +22,11 @@ into kernels that repeated layers also share. What did not work, on a 3+3-layer 
 * a reduction over the rows written as constants (``cat(scales[r:r+1], ...)``), of each set's own
   length: 96 kernels, the reductions of different sets being different sources;
 * one extern op computing every set and copying each into a buffer (``set_scales``): 60 kernels,
-  as now (59), but its Python call cost 43–58 µs a backward, a third of what the points added to the
-  quick transformer block's backward (docs/results/overhead_quick.md).
+  but its Python call cost 43–58 µs a backward, a third of what the points added to the quick
+  transformer block's backward (docs/results/overhead_quick.md);
+* a gather of each set's rows by an index tensor, padded to the widest set: 59 kernels, but
+  Inductor writes a vectorized gather as a loop of scalar loads with a bounds check and a
+  wraparound per element, and the 3+3 T5's 90 of them cost about 7 s more of C++ compiles.
 
 The loss row (``autoscale.measure.LOSS_ROW``) is read like any other: its scale is 1 by the state's
 invariant, which makes a set's largest scale clamped at 1, as ``_max_of`` computes it eagerly.
@@ -69,18 +71,16 @@ def batch_row_reads(gm: GraphModule, cfg: Config) -> PassResult:
     by_source: dict[Node, list[Node]] = {}
     for read in reads:
         by_source.setdefault(_source(read), []).append(read)
-    width = max(2, *(len(_rows(read)) for read in reads))
     build = _Builder(gm, fake_mode)
     sets = 0
     for source, its_reads in by_source.items():
         largest: dict[tuple[int, ...], Node] = {}
-        with graph.inserting_before(its_reads[0]):  # (all before the first read: the backward's start)
+        with graph.inserting_before(its_reads[0]):  # (the partitioner moves each before its first read)
             for rows in sorted({_rows(read) for read in its_reads}):
-                padded = list(rows or (LOSS_ROW,))
-                padded += [padded[0]] * (width - len(padded))
                 why = f"the largest scale of rows {list(rows)}"
-                gathered = build.call(why, aten.index.Tensor, source, [build.rows(padded, source, why)])
-                largest[rows] = build.call(why, aten.amax.default, gathered, [0, 1])
+                chosen = build.mask(rows or (LOSS_ROW,), source, why)
+                scales = build.call(why, aten.where.ScalarOther, chosen, source, 0.0)
+                largest[rows] = build.call(why, aten.amax.default, scales, [0, 1])
         for read in its_reads:
             read.replace_all_uses_with(largest[_rows(read)])
             graph.erase_node(read)
@@ -101,19 +101,21 @@ class _Builder:
         provenance(node, PASS, why, created=True)
         return node
 
-    def rows(self, rows: list[int], scales: Node, why: str) -> Node:
-        """A set's rows as a constant of the graph on ``scales``' device: a get_attr of a real tensor
-        (the pass may run under the fake mode), read as traced code reads a constant."""
+    def mask(self, rows: tuple[int, ...], scales: Node, why: str) -> Node:
+        """Which of ``scales``' rows are ``rows``, as a constant of the graph on ``scales``' device: a
+        get_attr of a real tensor (the pass may run under the fake mode), read as traced code reads
+        a constant. One row of a matrix: Inductor writes a 1-D constant of up to 8 elements into
+        the kernel's source, which would make each set's kernel its own."""
+        value = scales.meta["val"]
         with unset_fake_temporarily():
-            # (one row of a matrix: Inductor writes a 1-D constant of up to 8 elements into the
-            # kernel's source, which would make each set's kernel its own)
-            tensor = torch.tensor([rows], dtype=torch.long, device=scales.meta["val"].device)
+            tensor = torch.zeros((1, value.shape[0]), dtype=torch.bool, device=value.device)
+            tensor[0, list(rows)] = True
         name = f"_autoscale_rows_{self.made}"
         self.made += 1
         setattr(self.gm, name, tensor)
         attr = new_node(self.gm.graph, "get_attr", name, ())
         attr.meta["val"] = self.fake_mode.from_tensor(tensor, static_shapes=True)
-        provenance(attr, PASS, f"{why}: the rows, padded", created=True)
+        provenance(attr, PASS, f"{why}: which rows", created=True)
         return self.call(why, aten.lift_fresh_copy.default, attr)
 
 

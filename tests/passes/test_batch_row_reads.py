@@ -49,8 +49,8 @@ SETS = st.lists(st.sets(st.integers(0, ROWS - 1), max_size=4).map(lambda s: tupl
 def test_one_reduction_per_distinct_set_reads_what_the_points_read(first: Sets, second: Sets) -> None:
     """Whatever sets repeat (the empty one and the loss row's included) and in whatever order: the
     same result (the loss row's scale being 1, as the state keeps it), every read gone, one ``amax``
-    per distinct set, over the set's rows padded with its first row to the graph's widest set (and
-    to two rows at least)."""
+    per distinct set, over the scales with the set's rows chosen by a constant mask (no row: the
+    loss row's)."""
     gm = _traced(first, second)
     inputs = (torch.tensor([1.0, 2.0**15, 0.5, 2.0**-3, 8.0, 3.0]), torch.tensor([1.0, 4.0, 0.25, 2.0, 1.0, 16.0]),
               torch.tensor([1.0, -2.0, 0.5]))
@@ -59,14 +59,10 @@ def test_one_reduction_per_distinct_set_reads_what_the_points_read(first: Sets, 
     assert _batch(gm) == {"reads": len(first) + len(second), "sets": sum(map(len, distinct))}
     assert not gm.graph.find_nodes(op="call_function", target=set_scale)
     reductions = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.amax.default)
-    width = max(2, *(len(rows) for sets in distinct for rows in sets))
-
-    def padded(rows: tuple[int, ...]) -> list[int]:
-        read = list(rows or (LOSS_ROW,))
-        return read + [read[0]] * (width - len(read))
-
-    indices = [getattr(gm, r.args[0].args[1][0].args[0].target).tolist()[0] for r in reductions]
-    assert indices == [padded(rows) for sets in distinct for rows in sets]
+    masks = [getattr(gm, r.args[0].args[0].args[0].target) for r in reductions]
+    assert [mask.shape for mask in masks] == [(1, ROWS)] * len(masks)
+    assert [tuple(mask[0].nonzero().flatten().tolist()) for mask in masks] == [
+        rows or (LOSS_ROW,) for sets in distinct for rows in sets]
     assert gm(*inputs).equal(expected)
 
 
