@@ -29,12 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
 from autoscale.measure import MODES
 
-from .graph_utils import new_node, provenance
+from .graph_utils import new_constant, new_node, provenance
 from .manager import PassResult
 
 if TYPE_CHECKING:
@@ -167,16 +166,11 @@ class _Builder:
         return node
 
     def constant(self, values: list[Any], device: torch.device, dtype: torch.dtype | None = None) -> Node:
-        """A get_attr of ``torch.tensor(values)``, a real tensor (the pass may run under the fake mode)."""
-        with unset_fake_temporarily():
-            tensor = torch.tensor(values, device=device, dtype=dtype)
+        """``torch.tensor(values)`` as a constant of the graph, read as traced code reads one."""
         name = f"{self.prefix}_{self.constants}"
         self.constants += 1
-        setattr(self.gm, name, tensor)
-        attr = new_node(self.graph, "get_attr", name, ())
-        attr.meta["val"] = self.fake_mode.from_tensor(tensor, static_shapes=True)
+        attr = new_constant(self.gm, self.fake_mode, name, lambda: torch.tensor(values, device=device, dtype=dtype))
         provenance(attr, PASS, "the fold's index plan", created=True)
-        # (as traced code reads a constant: FakeTensorProp takes a real tensor only through lift_fresh_copy)
         return self.call(aten.lift_fresh_copy.default, (attr,))
 
 

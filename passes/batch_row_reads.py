@@ -41,13 +41,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from autoscale.measure import LOSS_ROW, set_scale
 
-from .graph_utils import new_node, provenance
+from .graph_utils import new_constant, new_node, provenance
 from .manager import PassResult
 
 if TYPE_CHECKING:
@@ -102,19 +101,18 @@ class _Builder:
         return node
 
     def mask(self, rows: tuple[int, ...], scales: Node, why: str) -> Node:
-        """Which of ``scales``' rows are ``rows``, as a constant of the graph on ``scales``' device: a
-        get_attr of a real tensor (the pass may run under the fake mode), read as traced code reads
-        a constant. One row of a matrix: Inductor writes a 1-D constant of up to 8 elements into
-        the kernel's source, which would make each set's kernel its own."""
+        """Which of ``scales``' rows are ``rows``, as a constant of the graph on ``scales``' device,
+        read as traced code reads one. One row of a matrix: Inductor writes a 1-D constant of up to
+        8 elements into the kernel's source, which would make each set's kernel its own."""
         value = scales.meta["val"]
-        with unset_fake_temporarily():
-            tensor = torch.zeros((1, value.shape[0]), dtype=torch.bool, device=value.device)
-            tensor[0, list(rows)] = True
-        name = f"_autoscale_rows_{self.made}"
+
+        def make() -> torch.Tensor:
+            mask = torch.zeros((1, value.shape[0]), dtype=torch.bool, device=value.device)
+            mask[0, list(rows)] = True
+            return mask
+
+        attr = new_constant(self.gm, self.fake_mode, f"_autoscale_rows_{self.made}", make)
         self.made += 1
-        setattr(self.gm, name, tensor)
-        attr = new_node(self.gm.graph, "get_attr", name, ())
-        attr.meta["val"] = self.fake_mode.from_tensor(tensor, static_shapes=True)
         provenance(attr, PASS, f"{why}: which rows", created=True)
         return self.call(why, aten.lift_fresh_copy.default, attr)
 

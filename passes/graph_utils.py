@@ -12,7 +12,7 @@ from operator import is_not
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx import Graph, GraphModule, Node
 
 from autoscale.ops import Attached, emulated, resolve
@@ -26,6 +26,7 @@ __all__ = [
     "PREFIX_KEY",
     "PROVENANCE_KEY",
     "attach_of",
+    "new_constant",
     "cast_of",
     "copy_graph_module",
     "source_line",
@@ -422,3 +423,16 @@ def source_line(n: Node) -> str:
         return ""
     path, line, code = frames[-1]
     return f"{os.path.basename(path)}:{line}: {code.strip()}"
+
+
+def new_constant(gm: GraphModule, fake_mode: FakeTensorMode, name: str, make: Callable[[], torch.Tensor]) -> Node:
+    """A get_attr at the insert point of the real tensor ``make()`` returns, held by ``gm`` as
+    ``name``, with its fake value. ``make`` runs outside the fake mode (a pass may run under it).
+    The caller reads it as traced code reads a constant, through ``lift_fresh_copy``:
+    FakeTensorProp takes a real tensor only that way."""
+    with unset_fake_temporarily():
+        tensor = make()
+    setattr(gm, name, tensor)
+    attr = new_node(gm.graph, "get_attr", name, ())
+    attr.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
+    return attr
