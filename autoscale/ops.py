@@ -36,7 +36,7 @@ from autoscale.measure import MAX, NUM_STATS, STAT, point_backward, record
 
 __all__ = [
     "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "LAYOUT_SEP", "NUM_STATS", "PROMOTED_SEP", "SCALE_RANGE", "STAT", "Attached",
-    "attach", "emulated", "gradient_max", "headroom", "rescale", "resolve", "watch",
+    "attach", "emulated", "gradient_max", "headroom", "identity_output", "rescale", "resolve", "watch",
 ]
 
 FP16_MAX = 65504.0
@@ -120,6 +120,21 @@ def watch(x: torch.Tensor, peaks: torch.Tensor, slot: int) -> None:
     peaks.copy_(record(peaks, [peak], [slot], [MAX]))
 
 
+def identity_output(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the output of an identity ``autograd.Function``'s forward (a rescale point, a
+    gradient quantizer): a view of it run eagerly, an ``_unsafe_view`` when traced.
+
+    Traced, a view would be a graph output aliasing an intermediate wherever the point is the
+    graph's last op (the scale point on a model's final GEMM), and AOTAutograd regenerates such an
+    output at every call, in Python (``aten._unsafe_view`` in its runtime wrapper, with alias
+    checks around it): on the quick transformer block of ``benchmarks.overhead``, 30 µs of a
+    0.5 ms forward (2 threads), nearly all of what the scale points added to it. It is what
+    AOTAutograd would return anyway, computed in the graph instead, where Inductor makes it a
+    reinterpretation of the buffer. Eagerly, a view keeps the input's version counter, so an
+    in-place change of the output that a saved tensor shares is still caught by autograd."""
+    return torch.ops.aten._unsafe_view(x, x.shape) if torch.compiler.is_compiling() else x.view_as(x)
+
+
 class _Rescale(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor,
@@ -128,7 +143,7 @@ class _Rescale(torch.autograd.Function):
         ctx.save_for_backward(scales)
         ctx.stats = stats  # held, not saved: the backward writes it in place
         ctx.rows = out_rows, in_rows, record_rows, unscale, moments, fused
-        return x.view_as(x)
+        return identity_output(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

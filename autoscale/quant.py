@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoscale.ops import E4M3_MAX, E5M2_MAX
+from autoscale.ops import E4M3_MAX, E5M2_MAX, identity_output
 from autoscale.runtime import LAYOUT_SEP, announce_in_forward, unwrap
 from autoscale.schedules import Schedule
 
@@ -106,7 +106,7 @@ class _QuantGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, bits: int) -> torch.Tensor:
         ctx.bits = bits
-        return y.view_as(y)
+        return identity_output(y)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -143,7 +143,7 @@ def float8_forward(x: torch.Tensor) -> torch.Tensor:
 class _Float8Grad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
-        return y.view_as(y)
+        return identity_output(y)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,23 @@ def test_rescale_points_write_in_place() -> None:
                                                                      _large_allocations(plain))
 
 
+def test_a_scale_point_as_the_graphs_output_costs_its_forward_no_runtime_op() -> None:
+    """The mlp's last op is the scale point on its head's GEMM. As a view, the graph's output
+    aliased an intermediate, which AOTAutograd regenerated at every call with an eager
+    ``_unsafe_view`` (``autoscale.ops.identity_output``); eagerly the point is still a view."""
+    model, (x,), y = mlp_case()
+    scaler = autoscale.GradScaler(model)
+    compiled = torch.compile(model, backend="autoscale")
+    scaler.scale(F.cross_entropy(compiled(x), y)).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        compiled(x)
+    ops = {event.name for event in profile.events()}
+    assert "aten::addmm" in ops  # (the profiler sees the compiled forward's extern kernels)
+    assert "aten::_unsafe_view" not in ops, ops
+    scales, stats = torch.ones(3), torch.zeros(3, autoscale.ops.NUM_STATS)
+    assert autoscale.ops.rescale(x.requires_grad_(), scales, stats, (1,), (0,))._is_view()
+
+
 def test_identical_layers_share_their_point_kernels() -> None:
     """The rescale points of identical layers compile to one kernel, called once per layer, as
     Inductor compiles a repeated layer's kernels once without scaling: a point reads its scales
