@@ -127,8 +127,8 @@ def identity_output(x: torch.Tensor) -> torch.Tensor:
     Traced, a view would be a graph output aliasing an intermediate wherever the point is the
     graph's last op (the scale point on a model's final GEMM), and AOTAutograd regenerates such an
     output at every call, in Python (``aten._unsafe_view`` in its runtime wrapper, with alias
-    checks around it): on the quick transformer block of ``benchmarks.overhead``, 30 µs of a
-    0.5 ms forward (2 threads), nearly all of what the scale points added to it. It is what
+    checks around it): the quick transformer block of ``benchmarks.overhead`` took 31-69 µs longer
+    in its 0.5 ms forward than without scale points (2 threads, two runs), 11-15 µs after. It is what
     AOTAutograd would return anyway, computed in the graph instead, where Inductor makes it a
     reinterpretation of the buffer. Eagerly, a view keeps the input's version counter, so an
     in-place change of the output that a saved tensor shares is still caught by autograd."""
