@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 
 from autoscale.measure import MODES
 
-from .graph_utils import new_constant, new_node, provenance
+from .graph_utils import new_constant, new_fake_call, provenance
 from .manager import PassResult
 
 if TYPE_CHECKING:
@@ -159,9 +159,7 @@ class _Builder:
         return self.call(aten.view.default, (flat, shape))
 
     def call(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Node:
-        node = new_node(self.graph, "call_function", target, args, kwargs)
-        with self.fake_mode:
-            node.meta["val"] = target(*_vals(args), **_vals(kwargs or {}))
+        node = new_fake_call(self.graph, self.fake_mode, target, args, kwargs)
         provenance(node, PASS, "fold the statistics the graph's rescale points record", created=True)
         return node
 
@@ -180,15 +178,3 @@ def _constant(value: Node) -> float | None:
     if value.target is aten.full.default and isinstance(value.args[1], (int, float)):
         return float(value.args[1])
     return None
-
-
-def _vals(args: Any) -> Any:
-    """``args`` with every node replaced by its fake value."""
-    if isinstance(args, Node):
-        return args.meta["val"]
-    if isinstance(args, (list, tuple)):
-        return type(args)(_vals(a) for a in args)
-    if isinstance(args, dict):
-        return {k: _vals(v) for k, v in args.items()}
-    return args
-

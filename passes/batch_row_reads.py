@@ -42,11 +42,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
-from torch.fx.node import map_arg
 
 from autoscale.measure import LOSS_ROW, set_scale
 
-from .graph_utils import new_constant, new_node, provenance
+from .graph_utils import new_constant, new_fake_call, provenance
 from .manager import PassResult
 
 if TYPE_CHECKING:
@@ -94,9 +93,7 @@ class _Builder:
         self.gm, self.fake_mode, self.made = gm, fake_mode, 0
 
     def call(self, why: str, target: Any, *args: Any) -> Node:
-        node = new_node(self.gm.graph, "call_function", target, args)
-        with self.fake_mode:
-            node.meta["val"] = target(*map_arg(args, lambda a: a.meta["val"]))
+        node = new_fake_call(self.gm.graph, self.fake_mode, target, args)
         provenance(node, PASS, why, created=True)
         return node
 

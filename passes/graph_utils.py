@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
 
 from autoscale.ops import Attached, emulated, resolve
 
@@ -26,7 +27,6 @@ __all__ = [
     "PREFIX_KEY",
     "PROVENANCE_KEY",
     "attach_of",
-    "new_constant",
     "cast_of",
     "copy_graph_module",
     "source_line",
@@ -41,6 +41,8 @@ __all__ = [
     "is_inplace",
     "layer_of",
     "mutated_aliases",
+    "new_constant",
+    "new_fake_call",
     "new_node",
     "node_keys",
     "op_name",
@@ -423,6 +425,20 @@ def source_line(n: Node) -> str:
         return ""
     path, line, code = frames[-1]
     return f"{os.path.basename(path)}:{line}: {code.strip()}"
+
+
+def new_fake_call(graph: Graph, fake_mode: FakeTensorMode, target: Any, args: tuple[Any, ...],
+                  kwargs: dict[str, Any] | None = None) -> Node:
+    """A call_function node at the insert point (``new_node``), with its fake value: ``target`` run
+    in ``fake_mode`` on its arguments' values. For the ATen nodes a joint-stage pass builds."""
+    node = new_node(graph, "call_function", target, args, kwargs)
+    with fake_mode:
+        node.meta["val"] = target(*map_arg(args, _val), **map_arg(kwargs or {}, _val))
+    return node
+
+
+def _val(n: Node) -> Any:
+    return n.meta["val"]
 
 
 def new_constant(gm: GraphModule, fake_mode: FakeTensorMode, name: str, make: Callable[[], torch.Tensor]) -> Node:
