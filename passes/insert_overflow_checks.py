@@ -12,7 +12,10 @@ run time. This pass puts ``autoscale.ops.watch(x, peaks, slot)`` after
   that grows overflows the GEMM it feeds first, which is watched) and a normalization's output
   predicted far inside the range (``_normalized``). The check reads the float32 source, so it
   sees the magnitude the cast loses;
-* every op kept in float32 because of forward overflow, and the graph's float outputs.
+* every op kept in float32 because of forward overflow, and the graph's float outputs, but an
+  output that only widens a watched value (the float32 logits of a float16 head GEMM, through its
+  scale point): that value's check is marked as the output's instead, as a second check would read
+  the same values again (for a language model, a pass over its logits).
 
 A value non-finite in float32 too (the log of 0) is named by the first cast of it into float16 (its
 check reads the float32 source) or by the output it reaches, not promoted forever. Float32 deny ops
@@ -32,13 +35,14 @@ reader of the value it watches (a GEMM read only by its cast stays one scale poi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from autoscale.ops import FP16_MAX, watch
+from autoscale.ops import FP16_MAX, rescale, watch
 from autoscale.overflow import CAST_SUFFIX, OVERFLOW_REASON, Site, SiteKind
 
 from .analyze_underflow import MOMENTS_KEY
@@ -84,10 +88,16 @@ def insert_overflow_checks(gm: GraphModule, cfg: Config) -> PassResult:
     outputs = {a for a in pytree.tree_leaves(output.args) if isinstance(a, Node)}
     sites: list[Site] = []
     nearest: dict[Node, frozenset[int]] = {}  # node -> the nearest watched sites it is computed from
+    slot_of: dict[Node, int] = {}  # a watched node -> its slot
     for n in list(graph.nodes):
         if n.op == "output":
             break
         upstream = frozenset().union(*(nearest.get(a, frozenset()) for a in n.all_input_nodes))
+        if n in outputs and (copied := slot_of.get(_exact_copy_of(n))) is not None:
+            # (an output that is a watched value, widened: its check would read the same values again)
+            sites[copied] = replace(sites[copied], output=True)
+            nearest[n] = frozenset({copied})
+            continue
         found = _site(n, cfg, n in outputs)
         if found is None:
             nearest[n] = upstream
@@ -106,6 +116,7 @@ def insert_overflow_checks(gm: GraphModule, cfg: Config) -> PassResult:
         check.meta["val"] = None
         provenance(check, PASS, f"overflow check of {watched.name} ({reason})", created=True)
         nearest[n] = frozenset({slot})
+        slot_of[n] = slot
     gm.meta[SITES_KEY] = sites
     return PassResult(gm, modified=bool(sites), counts={
         "sites": len(sites), **{kind: sum(s.kind == kind for s in sites) for kind in ("float16", "cast", "float32")}})
@@ -161,6 +172,26 @@ def _normalized(source: Node, cfg: Config) -> bool:
             return False
         n = n.args[0] if n.args else None
     return False
+
+
+def _exact_copy_of(n: Node) -> Node:
+    """The value ``n`` holds exactly, through casts into wider floats and rescale points (whose
+    forward is the identity): the head's float16 GEMM output for a float32 logits output."""
+    while n.args and isinstance(n.args[0], Node):
+        cast = cast_of(n)
+        if n.target is not rescale and not (cast is not None and _widens(cast[0], cast[1])):
+            break
+        n = n.args[0]
+    return n
+
+
+def _widens(source: Node, dtype: torch.dtype) -> bool:
+    """Whether casting ``source`` to ``dtype`` keeps every value: a float into a wider float."""
+    before = float_dtype(source)
+    if before is None or not dtype.is_floating_point:
+        return False
+    wide, narrow = torch.finfo(dtype), torch.finfo(before)
+    return wide.bits > narrow.bits and wide.max >= narrow.max
 
 
 def _keyed(n: Node) -> Node | None:

@@ -219,6 +219,24 @@ def test_a_value_near_float16s_max_is_promoted_before_it_overflows() -> None:
     assert len(backend.records) == 2 and scaler.skipped_steps == 0
 
 
+def test_an_output_that_widens_a_watched_value_is_not_watched_again() -> None:
+    """The logits are fc3's float16 output cast to float32: one check, fc3's, marked as the graph's
+    output (a second would read the same values again: a whole pass over an LM's logits). When fc3
+    overflows, that one check says both things: the output is non-finite (the forward's doing, so no
+    gradient scale backs off) and fc3 is where it began (promoted)."""
+    model, x, y, scaler, backend, run, opt = _mlp_run()
+    _step(run, scaler, opt, x, y)
+    sites = {s.key: s for s in scaler._state.forward.sites}  # type: ignore[union-attr]
+    assert [(key, s.kind) for key, s in sites.items() if s.output] == [("fc3:linear#0", "float16")]
+    assert not [key for key in sites if key.endswith("@output")]
+    scales = {r.name: r.scale for r in scaler.layers()}
+    with torch.no_grad():
+        model.fc3.bias.add_(1e5)
+    assert _step(run, scaler, opt, x, y)[1] is True
+    assert {r.name: r.scale for r in scaler.layers()} == scales
+    assert [(p.key, p.reason) for p in scaler.promotions()] == [("fc3:linear#0", "overflowed")]
+
+
 def _promoted_fc2(tmp_path: Path | None = None) -> tuple[MLP, torch.Tensor, torch.Tensor, GradScaler]:
     """The MLP after fc2 overflowed once and was promoted (with telemetry when ``tmp_path``)."""
     torch.manual_seed(0)
