@@ -88,7 +88,7 @@ def insert_overflow_checks(gm: GraphModule, cfg: Config) -> PassResult:
     outputs = {a for a in pytree.tree_leaves(output.args) if isinstance(a, Node)}
     sites: list[Site] = []
     nearest: dict[Node, frozenset[int]] = {}  # node -> the nearest watched sites it is computed from
-    slot_of: dict[Node, int] = {}  # a watched node -> its slot
+    slot_of: dict[Node, int] = {}  # a node whose own value a check reads -> the check's slot
     for n in list(graph.nodes):
         if n.op == "output":
             break
@@ -116,7 +116,8 @@ def insert_overflow_checks(gm: GraphModule, cfg: Config) -> PassResult:
         check.meta["val"] = None
         provenance(check, PASS, f"overflow check of {watched.name} ({reason})", created=True)
         nearest[n] = frozenset({slot})
-        slot_of[n] = slot
+        if watched is n:  # (a cast's check reads its float32 source, not the float16 value)
+            slot_of[n] = slot
     gm.meta[SITES_KEY] = sites
     return PassResult(gm, modified=bool(sites), counts={
         "sites": len(sites), **{kind: sum(s.kind == kind for s in sites) for kind in ("float16", "cast", "float32")}})
