@@ -46,6 +46,7 @@ from autoscale.ops import FP16_MAX, rescale, watch
 from autoscale.overflow import CAST_SUFFIX, OVERFLOW_REASON, Site, SiteKind
 
 from .analyze_underflow import MOMENTS_KEY
+from .fold_casts import is_lossless
 from .graph_utils import (
     KEY,
     PROVENANCE_KEY,
@@ -176,23 +177,17 @@ def _normalized(source: Node, cfg: Config) -> bool:
 
 
 def _exact_copy_of(n: Node) -> Node:
-    """The value ``n`` holds exactly, through casts into wider floats and rescale points (whose
-    forward is the identity): the head's float16 GEMM output for a float32 logits output."""
-    while n.args and isinstance(n.args[0], Node):
-        cast = cast_of(n)
-        if n.target is not rescale and not (cast is not None and _widens(cast[0], cast[1])):
-            break
+    """The value ``n`` holds exactly, through lossless casts and rescale points (whose forward is
+    the identity): the head's float16 GEMM output for a float32 logits output."""
+    while n.args and isinstance(n.args[0], Node) and (n.target is rescale or _lossless_cast(n)):
         n = n.args[0]
     return n
 
 
-def _widens(source: Node, dtype: torch.dtype) -> bool:
-    """Whether casting ``source`` to ``dtype`` keeps every value: a float into a wider float."""
-    before = float_dtype(source)
-    if before is None or not dtype.is_floating_point:
-        return False
-    wide, narrow = torch.finfo(dtype), torch.finfo(before)
-    return wide.bits > narrow.bits and wide.max >= narrow.max
+def _lossless_cast(n: Node) -> bool:
+    cast = cast_of(n)
+    source = float_dtype(cast[0]) if cast is not None else None
+    return cast is not None and source is not None and is_lossless(source, cast[1])
 
 
 def _keyed(n: Node) -> Node | None:
