@@ -1,7 +1,7 @@
 """autoscale's graph ops: the ``autoscale::`` custom ops and the gradient rescale point.
 
-``rescale(x, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused)`` is the identity in
-the forward. In the backward it multiplies the arriving gradient by
+``rescale(x, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused, measured)`` is the
+identity in the forward. In the backward it multiplies the arriving gradient by
 
     factor = max(scales[out_rows]) / max(scales[in_rows])        (an empty set means 1)
 
@@ -13,6 +13,8 @@ layer's scale point (row 0 is the loss scale). A scale point is ``out_rows=(r,)`
 ``in_rows`` the scale the gradient arrives with; aligning branches at a merge is
 ``out_rows=`` their union; unscaling a parameter's gradient back to the loss scale is
 ``out_rows=(0,)`` with ``unscale`` set (that gradient leaves the graph, and its zeros are counted).
+A point that is not ``measured`` only multiplies: no statistics, no inf/nan check, no guard
+(``insert_grad_scaling``: the alignment of a float32 gradient, which a scale cannot overflow).
 
 Statistics are normalized by the scale the gradient arrived with, so the update rule sees
 magnitudes at unit scale and needs no knowledge of the graph.
@@ -32,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from autoscale.measure import MAX, NUM_STATS, STAT, point_backward, record
+from autoscale.measure import MAX, NUM_STATS, STAT, point_backward, record, rescaled
 
 __all__ = [
     "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "LAYOUT_SEP", "NUM_STATS", "PROMOTED_SEP", "SCALE_RANGE", "STAT", "Attached",
@@ -139,27 +141,36 @@ class _Rescale(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor,
                 out_rows: tuple[int, ...], in_rows: tuple[int, ...], record_rows: tuple[int, ...],
-                unscale: bool, moments: bool, fused: bool) -> torch.Tensor:
+                unscale: bool, moments: bool, fused: bool, measured: bool) -> torch.Tensor:
         ctx.save_for_backward(scales)
         ctx.stats = stats  # held, not saved: the backward writes it in place
         ctx.rows = out_rows, in_rows, record_rows, unscale, moments, fused
+        ctx.measured = measured
         return identity_output(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (scales,) = ctx.saved_tensors
+        if not ctx.measured:
+            out_rows, in_rows, *_ = ctx.rows
+            return rescaled(grad, scales, out_rows, in_rows), *_NO_GRADS
         return point_backward(grad, scales, ctx.stats, *ctx.rows), *_NO_GRADS
 
 
-_NO_GRADS = (None,) * 8  # for rescale's arguments after x
+_NO_GRADS = (None,) * 9  # for rescale's arguments after x
 
 
 def rescale(x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
             in_rows: tuple[int, ...], record_rows: tuple[int, ...] = (), unscale: bool = False,
-            moments: bool = False, fused: bool = True) -> torch.Tensor:
+            moments: bool = False, fused: bool = True, measured: bool = True) -> torch.Tensor:
     """Identity forward; backward rescales the gradient and records its statistics (see the module).
-    ``fused``: on CUDA, the backward runs the fused Triton kernel (``ScalingConfig.point_kernel``)."""
-    out: torch.Tensor = _Rescale.apply(x, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused)
+    ``fused``: on CUDA, the backward runs the fused Triton kernel (``ScalingConfig.point_kernel``).
+    ``measured=False``: the backward only rescales (``record_rows`` must then be empty)."""
+    if not measured and (record_rows or unscale):
+        raise ValueError("a rescale point that is not measured records nothing and unscales nothing: "
+                         f"got record_rows={record_rows}, unscale={unscale}")
+    out: torch.Tensor = _Rescale.apply(x, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused,
+                                       measured)
     return out
 
 

@@ -11,7 +11,9 @@ This pass
    backward is a gradient cast *into* float16, which must be scaled before it rounds);
 3. walks the graph from the outputs back to the inputs computing the scale each gradient
    carries; where gradients with different scales meet (a residual merge, a tied weight) it
-   aligns them to the largest (``rescale`` with ``out_rows`` = the union);
+   aligns them to the largest (``rescale`` with ``out_rows`` = the union). A float16 gradient
+   scaled up can overflow, so its alignment is a measured point like the others; a float32 one
+   cannot, and is aligned by a multiply alone (``measured=False``, see ``_State.carry``);
 4. puts an *unscale point* on every parameter, so its gradient leaves the graph carrying exactly
    the loss scale (the scaler divides that out, as torch.amp's does).
 
@@ -171,6 +173,30 @@ def _point(node: Node, reason: str, governed: list[Node], layer: Node | None = N
                       max(known) if len(known) == len(grads) else None, layer if layer is not None else node)
 
 
+_UNMEASURED = " (float32: a multiply alone, measured where it next meets a point)"
+"""Why a float32 gradient's alignment is not a measured point. Aligned to the largest scale of
+the merge, a gradient is scaled up, which can overflow float16 (hence the check, the guard and the
+record of its magnitude that a float16 alignment carries), but not float32 (``_holds_any_scaled``).
+Its magnitude matters where it is rounded into float16 again, at the backward of a cast out of
+float16, and every such cast this pipeline inserted has a scale point on its float32 side: there
+it is measured, in the rows it then carries. (A model's own ``.float()`` of a float16 value has
+none, so the rounding in its backward is not measured where it happens; a measured float32
+alignment before it in the backward used to bound it in passing.) A non-finite value that
+reaches the alignment, made upstream in float16, is found by the next point downstream, which
+blames the rows of the merge (a superset of those it came with) and skips the step all the same.
+Measured, each was a reduction and its synchronization in the backward, and three nodes for
+Inductor to compile: 53 of the 232 points of a 3+3-layer T5. Not with the "paper" rule, whose
+moments (Σ g, Σ g²) every point records."""
+
+
+def _holds_any_scaled(dtype: torch.dtype | None) -> bool:
+    """Whether a gradient of ``dtype`` stays finite under any factor a rescale applies: float32 and
+    wider. The factor is at most ``max(SCALE_RANGE) / min(SCALE_RANGE)`` = 2^64, so a float32
+    gradient would have to exceed 2^64 (1.8e19) at the scale it arrives with to overflow."""
+    wide = torch.finfo(torch.float32).max
+    return dtype is not None and dtype.is_floating_point and torch.finfo(dtype).max >= wide
+
+
 class _State:
     """The scaler's state nodes in this graph, and the rescale nodes placed so far."""
 
@@ -196,13 +222,13 @@ class _State:
         return self.rows.get(path, LOSS_ROW)
 
     def _rescale(self, x: Node, out_rows: Rows, in_rows: Rows, record: Rows, *, after: Node, like: Node,
-                 reason: str, unscale: bool = False) -> Node:
+                 reason: str, unscale: bool = False, measured: bool = True) -> Node:
         if after.op == "placeholder":
             after = self.last_input
         with self.graph.inserting_after(after):
             node = new_node(self.graph, "call_function", rescale, (
                 x, self.scales, self.stats, tuple(sorted(out_rows)), tuple(sorted(in_rows)), tuple(sorted(record)),
-                unscale, self.moments, self.fused))
+                unscale, self.moments, self.fused), None if measured else {"measured": False})
         for key in ("nn_module_stack", "stack_trace"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]
@@ -233,16 +259,20 @@ class _State:
             for user, rows in arriving.items():
                 if rows == target:
                     continue
-                reason = f"align the gradient from {user.name} at a merge"
-                if tensor or op_name(user) != "getitem":
-                    align = self._rescale(n, target, rows, target | rows, after=n, like=user, reason=reason)
-                    user.replace_input_with(n, align)
-                else:
-                    # ``n`` has several outputs (split, unbind): its backward joins their gradients,
-                    # so they are aligned one by one, on the element (a rescale takes one tensor).
-                    align = self._rescale(user, target, rows, target | rows, after=user, like=user, reason=reason)
+                # ``n`` has several outputs (split, unbind): its backward joins their gradients, so
+                # they are aligned one by one, on the element (a rescale takes one tensor).
+                element = not tensor and op_name(user) == "getitem"
+                aligned_value = user if element else n
+                measured = self.moments or not _holds_any_scaled(float_dtype(aligned_value))
+                reason = f"align the gradient from {user.name} at a merge" + ("" if measured else _UNMEASURED)
+                record = target | rows if measured else frozenset()
+                align = self._rescale(aligned_value, target, rows, record, after=aligned_value, like=user,
+                                      reason=reason, measured=measured)
+                if element:
                     redirect_uses(user, align)
                     self.carried[user] = target
+                else:
+                    user.replace_input_with(n, align)
                 aligned += 1
             self.carried[n] = target
             if n in self.sends and n.args[4] == ():  # a scale point: it receives `target`

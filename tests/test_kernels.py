@@ -222,6 +222,21 @@ def _through_rescale(grad: torch.Tensor, scales: list[float], out_rows: tuple[in
     return x.grad, stats
 
 
+def test_an_unmeasured_rescale_point_only_multiplies() -> None:
+    """``measured=False`` (a float32 gradient's alignment): the gradient comes back times the factor,
+    exactly, non-finite values included, and nothing is recorded; it takes no rows to record into."""
+    scales, stats = torch.tensor([1.0, 2.0**-3, 2.0**5]), torch.zeros(3, NUM_STATS)
+    grad = torch.tensor([1.5, -3e-30, float("inf"), float("nan")])
+    x = torch.zeros(4, requires_grad=True)
+    rescale(x, scales, stats, (1, 2), (1,), measured=False).backward(grad)
+    assert x.grad is not None
+    expected = grad * 2.0**8  # max(2^-3, 2^5) / 2^-3
+    assert torch.equal(x.grad[:2], expected[:2]) and x.grad[2] == math.inf and x.grad[3].isnan()
+    assert not stats.any()
+    with pytest.raises(ValueError, match="records nothing"):
+        rescale(x, scales, stats, (1, 2), (1,), (1, 2), measured=False)
+
+
 def test_rescale_blames_non_finite_values_on_the_scale_that_made_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """Row 1 sends the gradient (in_rows), row 2 is the point's own scale (out_rows)."""
     nonfinite = STAT["nonfinite"]

@@ -117,6 +117,66 @@ def test_residual_network_aligns_merges_trains_and_matches_fp32() -> None:
     assert losses[1] < losses[0]
 
 
+class _Float32Merge(nn.Module):
+    """A float32 residual stream (a layer norm's output) with a branch that merges back into it, and
+    a float16 merge inside the branch. ``spike`` makes the branch's backward overflow float32 before
+    the stream's merge: its input is multiplied by 2^-125, then by 2^125 (the identity forward; the
+    gradient times 2^125, inf above 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.norm = nn.Linear(16, 32), nn.LayerNorm(32)
+        self.up, self.inner, self.head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 5)
+        self.register_buffer("low", torch.tensor(1.0))
+        self.register_buffer("high", torch.tensor(1.0))
+
+    def spike(self, on: bool) -> None:
+        self.low.fill_(2.0**-125 if on else 1.0)
+        self.high.fill_(2.0**125 if on else 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.stem(x))
+        a = self.up(h * self.low * self.high)
+        a = a + self.inner(a)
+        return self.head(h + a)
+
+
+def test_a_float32_merge_is_aligned_by_a_multiply_and_what_reaches_it_non_finite_is_still_caught() -> None:
+    """A float32 gradient aligned to a merge's largest scale cannot overflow, so its alignment is a
+    multiply alone (no check, no record); a float16 one is still a measured point. Training matches
+    float32; a non-finite gradient made upstream of the float32 merge is found by the next point
+    downstream (the stem's), which blames the merge's rows, the branch's among them, and skips."""
+    torch.manual_seed(0)
+    model, x, y = _Float32Merge(), torch.randn(8, 16), torch.randint(0, 5, (8,))
+    converted = autoscale.convert(copy.deepcopy(model), (x,), config=EVERYWHERE)
+    aligned = [n for n in converted.graph_module.graph.find_nodes(op="call_function", target=autoscale.ops.rescale)
+               if set(n.args[4]) < set(n.args[3])]
+    by_dtype = {str(n.meta["val"].dtype): n for n in aligned}
+    assert set(by_dtype) == {"torch.float32", "torch.float16"}
+    for n in aligned:
+        measured = n.meta["val"].dtype != torch.float32
+        assert n.kwargs.get("measured", True) is measured and bool(n.args[5]) is measured  # (args[5]: record_rows)
+
+    reference = copy.deepcopy(model)
+    scaler = GradScaler(model)
+    backend = autoscale.backend(EVERYWHERE)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    assert _train_steps(model, scaler, opt, compiled, x, y, 3) == [False] * 3
+    _assert_unscaled_step_matches_fp32(model, reference, scaler, opt, compiled, backend, x, y)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    overflows = {r.name: r.overflows for r in scaler.layers()}
+    model.spike(True)
+    assert _train_steps(model, scaler, opt, compiled, x, y, 1) == [True]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    counted = {r.name: r.overflows - overflows.get(r.name, 0) for r in scaler.layers()}
+    assert {name for name, n in counted.items() if n} == {"up", "head"}  # the merge's: the branch's and the stream's
+    model.spike(False)
+    assert _train_steps(model, scaler, opt, compiled, x, y, 3) == [False] * 3
+
+
 def test_a_convolution_feeding_float32_batch_norm_gets_one_point_on_the_cast() -> None:
     """conv (float16) -> cast to float32 -> batch norm: one scale point per conv, on the cast's float32
     side (before the rounding into float16), in the conv's row — not two points in a row."""
