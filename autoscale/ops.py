@@ -14,7 +14,8 @@ layer's scale point (row 0 is the loss scale). A scale point is ``out_rows=(r,)`
 ``out_rows=`` their union; unscaling a parameter's gradient back to the loss scale is
 ``out_rows=(0,)`` with ``unscale`` set (that gradient leaves the graph, and its zeros are counted).
 A point that is not ``measured`` only multiplies: no statistics, no inf/nan check, no guard
-(``insert_grad_scaling``: the alignment of a float32 gradient, which a scale cannot overflow).
+(``insert_grad_scaling``: the alignment of a float32 gradient, which a scale cannot overflow, where
+it is not the first measurement of a float16 one).
 
 Statistics are normalized by the scale the gradient arrived with, so the update rule sees
 magnitudes at unit scale and needs no knowledge of the graph.

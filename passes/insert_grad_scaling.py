@@ -13,7 +13,8 @@ This pass
    carries; where gradients with different scales meet (a residual merge, a tied weight) it
    aligns them to the largest (``rescale`` with ``out_rows`` = the union). A float16 gradient
    scaled up can overflow, so its alignment is a measured point like the others; a float32 one
-   cannot, and is aligned by a multiply alone (``measured=False``, see ``_State.carry``);
+   cannot, and is aligned by a multiply alone (``measured=False``), unless it is the first
+   measurement of a float16 gradient (``_UNMEASURED``);
 4. puts an *unscale point* on every parameter, so its gradient leaves the graph carrying exactly
    the loss scale (the scaler divides that out, as torch.amp's does).
 
@@ -82,7 +83,7 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     gm.meta["autoscale_gradient_max"] = gradient_max(cfg.float8)
     layers = str(layout).split(LAYOUT_SEP)
     state = _State(graph, scales, stats, layers, prefix=prefix, moments=bool(moments),
-                   fused=cfg.scaling.point_kernel == "fused")
+                   fused=cfg.scaling.point_kernel == "fused", cfg=cfg)
     state.requires = requires_grad_map(graph)
     points = scale_points(graph, cfg, state.requires)
     if cfg.scaling.placement == "predicted":
@@ -174,19 +175,25 @@ def _point(node: Node, reason: str, governed: list[Node], layer: Node | None = N
 
 
 _UNMEASURED = " (float32: a multiply alone, measured where it next meets a point)"
-"""Why a float32 gradient's alignment is not a measured point. Aligned to the largest scale of
-the merge, a gradient is scaled up, which can overflow float16 (hence the check, the guard and the
-record of its magnitude that a float16 alignment carries), but not float32 (``_holds_any_scaled``).
-Its magnitude matters where it is rounded into float16 again, at the backward of a cast out of
-float16, and every such cast this pipeline inserted has a scale point on its float32 side: there
-it is measured, in the rows it then carries. (A model's own ``.float()`` of a float16 value has
-none, so the rounding in its backward is not measured where it happens; a measured float32
-alignment before it in the backward used to bound it in passing.) A non-finite value that
-reaches the alignment, made upstream in float16, is found by the next point downstream, which
-blames the rows of the merge (a superset of those it came with) and skips the step all the same.
-Measured, each was a reduction and its synchronization in the backward, and three nodes for
-Inductor to compile: 53 of the 232 points of a 3+3-layer T5. Not with the "paper" rule, whose
-moments (Σ g, Σ g²) every point records."""
+"""Why a float32 gradient's alignment is, as a rule, not a measured point. Aligned to the largest
+scale of the merge, a gradient is scaled up, which can overflow float16 (hence the check, the guard
+and the record of its magnitude that a float16 alignment carries), but not float32
+(``_holds_any_scaled``). Its magnitude matters where it is rounded into float16 again, at the
+backward of a cast out of float16, and every such cast this pipeline inserted has a scale point
+on its float32 side: there it is measured, in the rows it then carries. A non-finite value that
+reaches it, made upstream in float16, is found by the next point downstream, which blames the
+rows of the merge (a superset of those it came with) and skips the step all the same. The
+exception is a branch whose gradient is a float16 one no point has measured, widened (a GEMM
+reading the float32 value through a cast): the alignment is its first measurement, which bounds
+that GEMM's scale by its input gradient, and stays one (``_State._exposes_float16``). Measured,
+each was a reduction and its synchronization in the backward, and three nodes for Inductor to
+compile: 49 of the 232 points of a 3+3-layer T5 are not. Not with the "paper" rule, whose moments
+(Σ g, Σ g²) every point records."""
+
+
+_PASSING = frozenset({Category.INFER, Category.CLEAR})
+"""Ops whose backward hands a gradient on with its magnitude (``_State._exposes_float16``), with
+casts (which are ``Category.FIXED``)."""
 
 
 def _holds_any_scaled(dtype: torch.dtype | None) -> bool:
@@ -201,8 +208,10 @@ class _State:
     """The scaler's state nodes in this graph, and the rescale nodes placed so far."""
 
     def __init__(self, graph: Graph, scales: Node, stats: Node, layers: list[str], prefix: str, moments: bool,
-                 fused: bool) -> None:
+                 fused: bool, cfg: Config) -> None:
         self.graph, self.scales, self.stats, self.moments, self.fused = graph, scales, stats, moments, fused
+        self.cfg = cfg
+        self.exposes: dict[Node, bool] = {}  # ``_exposes_float16``'s answers (nothing below a node changes after)
         self.rows = {name: row for row, name in enumerate(layers)}
         self.prefix = prefix  # the path of the scaler's model in this graph ("" when compiled directly)
         self.sends: dict[Node, Rows] = {}  # rescale node -> the scale it sends to its input
@@ -263,7 +272,8 @@ class _State:
                 # they are aligned one by one, on the element (a rescale takes one tensor).
                 element = not tensor and op_name(user) == "getitem"
                 aligned_value = user if element else n
-                measured = self.moments or not _holds_any_scaled(float_dtype(aligned_value))
+                measured = (self.moments or not _holds_any_scaled(float_dtype(aligned_value))
+                            or self._exposes_float16(user))
                 reason = f"align the gradient from {user.name} at a merge" + ("" if measured else _UNMEASURED)
                 record = target | rows if measured else frozenset()
                 align = self._rescale(aligned_value, target, rows, record, after=aligned_value, like=user,
@@ -280,6 +290,48 @@ class _State:
                 n.update_arg(4, tuple(sorted(target)))
                 n.update_arg(5, tuple(sorted(target | out_rows)))
         return aligned
+
+    def _exposes_float16(self, start: Node) -> bool:
+        """Whether the gradient arriving from ``start`` may be a float16 gradient no measured point
+        has seen, widened: then its float32 alignment is its first measurement, and stays one.
+
+        Followed forward from ``start`` through what passes a gradient on with its magnitude
+        (data movement, elementwise ops, casts, rescale points that are not measured), a float16
+        node is seen when every reader of it is a measured point (a scale point on a GEMM's
+        output, a float16 alignment), and exposes its gradient otherwise (a GEMM reading a float32
+        value's cast: its input gradient, computed in float16, would be measured nowhere before the
+        merge). A measured point ends the walk, and so does an op past which a gradient is no
+        longer the float16 one (a normalization's backward, a float32 GEMM's): measured after it,
+        it says nothing of the float16 value, which is what the next point downstream measures
+        anyway. Decided in ``carry``'s order, outputs to inputs, so every alignment below a node
+        is in place when the node is asked about, and its answer is kept."""
+        stack: list[tuple[Node, bool]] = [(start, False)]
+        while stack:
+            v, expanded = stack.pop()
+            if v in self.exposes:
+                continue
+            readers = self._passes_gradient_from(v)
+            if isinstance(readers, bool):
+                self.exposes[v] = readers
+            elif not expanded:
+                stack.append((v, True))
+                stack.extend((r, False) for r in readers if r not in self.exposes)
+            else:
+                self.exposes[v] = any(self.exposes[r] for r in readers)
+        return self.exposes[start]
+
+    def _passes_gradient_from(self, v: Node) -> bool | list[Node]:
+        """``_exposes_float16`` at ``v``: its answer when ``v`` alone decides, else the readers of
+        ``v`` whose gradients ``v``'s carries on."""
+        if v.target is rescale:
+            return False if v.kwargs.get("measured", True) else list(v.users)
+        if v.op != "call_function" and v.op != "call_method":
+            return False  # (the output: the loss's gradient comes in at the loss scale)
+        if float_dtype(v) == self.cfg.dtype:
+            return not all(u.target is rescale and u.kwargs.get("measured", True) for u in v.users)
+        if cast_of(v) is None and category_of(op_name(v) or "", self.cfg.op_overrides) not in _PASSING:
+            return False
+        return list(v.users)
 
     def _sent_by(self, user: Node) -> Rows | None:
         if user.op == "output":

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import autoscale
 from autoscale import GradScaler, ScalingConfig
 from autoscale.ops import NUM_STATS, SCALE_RANGE, STAT
+from autoscale.passes.graph_utils import cast_of
 from autoscale.scaler import _OWN_TENSORS
 from autoscale.update import UpdateTensors, adaptive_update
 from benchmarks.host_reads import HostReads
@@ -118,15 +119,18 @@ def test_residual_network_aligns_merges_trains_and_matches_fp32() -> None:
 
 
 class _Float32Merge(nn.Module):
-    """A float32 residual stream (a layer norm's output) with a branch that merges back into it, and
-    a float16 merge inside the branch. ``spike`` makes the branch's backward overflow float32 before
-    the stream's merge: its input is multiplied by 2^-125, then by 2^125 (the identity forward; the
-    gradient times 2^125, inf above 8)."""
+    """A float32 residual stream (a layer norm's output, ``h``) read three ways: by a pre-norm
+    branch that merges back into it, by the skip path, and by a Linear through a cast (``side``);
+    and a float16 merge inside the branch. ``spike`` makes the branch's backward overflow float32
+    before the stream's merge: its input is multiplied by 2^-125, then by 2^125 (the identity
+    forward; the gradient times 2^125, inf above 8)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem, self.norm = nn.Linear(16, 32), nn.LayerNorm(32)
-        self.up, self.inner, self.head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 5)
+        self.stem, self.norm, self.norm2, self.norm3 = nn.Linear(16, 32), nn.LayerNorm(32), nn.LayerNorm(32), \
+            nn.LayerNorm(32)
+        self.up, self.inner, self.head, self.side = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 5), \
+            nn.Linear(32, 5)
         self.register_buffer("low", torch.tensor(1.0))
         self.register_buffer("high", torch.tensor(1.0))
 
@@ -136,26 +140,33 @@ class _Float32Merge(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(self.stem(x))
-        a = self.up(h * self.low * self.high)
+        a = self.up(self.norm2(h) * self.low * self.high)
         a = a + self.inner(a)
-        return self.head(h + a)
+        return self.head(self.norm3(h + a)) + self.side(h)
 
 
 def test_a_float32_merge_is_aligned_by_a_multiply_and_what_reaches_it_non_finite_is_still_caught() -> None:
     """A float32 gradient aligned to a merge's largest scale cannot overflow, so its alignment is a
-    multiply alone (no check, no record); a float16 one is still a measured point. Training matches
-    float32; a non-finite gradient made upstream of the float32 merge is found by the next point
-    downstream (the stem's), which blames the merge's rows, the branch's among them, and skips."""
+    multiply alone (no check, no record), unless it is the first measurement of a float16 gradient
+    (``side``'s input gradient, widened by the cast's backward); a float16 alignment is measured.
+    Training matches float32; a non-finite gradient made upstream of the float32 merge is found by
+    the next point downstream (the stem's), which blames the merge's rows, the branch's among
+    them, and skips."""
     torch.manual_seed(0)
     model, x, y = _Float32Merge(), torch.randn(8, 16), torch.randint(0, 5, (8,))
     converted = autoscale.convert(copy.deepcopy(model), (x,), config=EVERYWHERE)
     aligned = [n for n in converted.graph_module.graph.find_nodes(op="call_function", target=autoscale.ops.rescale)
                if set(n.args[4]) < set(n.args[3])]
-    by_dtype = {str(n.meta["val"].dtype): n for n in aligned}
-    assert set(by_dtype) == {"torch.float32", "torch.float16"}
+    kinds = []
     for n in aligned:
-        measured = n.meta["val"].dtype != torch.float32
-        assert n.kwargs.get("measured", True) is measured and bool(n.args[5]) is measured  # (args[5]: record_rows)
+        (reader,) = n.users
+        cast = cast_of(reader)
+        first = n.meta["val"].dtype == torch.float16 or (cast is not None and cast[1] == torch.float16)
+        assert n.kwargs.get("measured", True) is first and bool(n.args[5]) is first  # (args[5]: record_rows)
+        kinds.append((str(n.meta["val"].dtype), first))
+    # float32: the branch's and the skip path's (a norm's backward before each), and side's (its first measurement)
+    assert sorted(first for dtype, first in kinds if dtype == "torch.float32") == [False, False, True]
+    assert ("torch.float16", True) in kinds
 
     reference = copy.deepcopy(model)
     scaler = GradScaler(model)
@@ -172,7 +183,7 @@ def test_a_float32_merge_is_aligned_by_a_multiply_and_what_reaches_it_non_finite
     assert _train_steps(model, scaler, opt, compiled, x, y, 1) == [True]
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     counted = {r.name: r.overflows - overflows.get(r.name, 0) for r in scaler.layers()}
-    assert {name for name, n in counted.items() if n} == {"up", "head"}  # the merge's: the branch's and the stream's
+    assert {name for name, n in counted.items() if n} == {"up", "head", "side"}  # the merge's rows
     model.spike(False)
     assert _train_steps(model, scaler, opt, compiled, x, y, 3) == [False] * 3
 
