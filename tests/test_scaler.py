@@ -127,10 +127,9 @@ class _Float32Merge(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem, self.norm, self.norm2, self.norm3 = nn.Linear(16, 32), nn.LayerNorm(32), nn.LayerNorm(32), \
-            nn.LayerNorm(32)
-        self.up, self.inner, self.head, self.side = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 5), \
-            nn.Linear(32, 5)
+        self.stem, self.up, self.inner = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.head, self.side = nn.Linear(32, 5), nn.Linear(32, 5)
+        self.norm, self.norm2, self.norm3 = nn.LayerNorm(32), nn.LayerNorm(32), nn.LayerNorm(32)
         self.register_buffer("low", torch.tensor(1.0))
         self.register_buffer("high", torch.tensor(1.0))
 
@@ -161,11 +160,11 @@ def test_a_float32_merge_is_aligned_by_a_multiply_and_what_reaches_it_non_finite
     for n in aligned:
         (reader,) = n.users
         cast = cast_of(reader)
-        first = n.meta["val"].dtype == torch.float16 or (cast is not None and cast[1] == torch.float16)
-        assert n.kwargs.get("measured", True) is first and bool(n.args[5]) is first  # (args[5]: record_rows)
-        kinds.append((str(n.meta["val"].dtype), first))
+        measures = n.meta["val"].dtype == torch.float16 or (cast is not None and cast[1] == torch.float16)
+        assert n.kwargs.get("measured", True) is measures and bool(n.args[5]) is measures  # (args[5]: record_rows)
+        kinds.append((str(n.meta["val"].dtype), measures))
     # float32: the branch's and the skip path's (a norm's backward before each), and side's (its first measurement)
-    assert sorted(first for dtype, first in kinds if dtype == "torch.float32") == [False, False, True]
+    assert sorted(measures for dtype, measures in kinds if dtype == "torch.float32") == [False, False, True]
     assert ("torch.float16", True) in kinds
 
     reference = copy.deepcopy(model)
