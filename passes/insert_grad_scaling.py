@@ -196,6 +196,11 @@ _PASSING = frozenset({Category.INFER, Category.CLEAR})
 casts (which are ``Category.FIXED``)."""
 
 
+def _measured(point: Node) -> bool:
+    """Whether a rescale node is a measured point (``rescale``'s ``measured``)."""
+    return bool(point.kwargs.get("measured", True))
+
+
 def _holds_any_scaled(dtype: torch.dtype | None) -> bool:
     """Whether a gradient of ``dtype`` stays finite under any factor a rescale applies: float32 and
     wider. The factor is at most ``max(SCALE_RANGE) / min(SCALE_RANGE)`` = 2^64, so a float32
@@ -305,30 +310,31 @@ class _State:
         it says nothing of the float16 value, which is what the next point downstream measures
         anyway. Decided in ``carry``'s order, outputs to inputs, so every alignment below a node
         is in place when the node is asked about, and its answer is kept."""
-        stack: list[tuple[Node, bool]] = [(start, False)]
+        stack: list[tuple[Node, list[Node] | None]] = [(start, None)]  # (node, its readers once expanded)
         while stack:
             v, expanded = stack.pop()
+            if expanded is not None:
+                self.exposes[v] = any(self.exposes[r] for r in expanded)
+                continue
             if v in self.exposes:
                 continue
             readers = self._passes_gradient_from(v)
             if isinstance(readers, bool):
                 self.exposes[v] = readers
-            elif not expanded:
-                stack.append((v, True))
-                stack.extend((r, False) for r in readers if r not in self.exposes)
             else:
-                self.exposes[v] = any(self.exposes[r] for r in readers)
+                stack.append((v, readers))
+                stack.extend((r, None) for r in readers if r not in self.exposes)
         return self.exposes[start]
 
     def _passes_gradient_from(self, v: Node) -> bool | list[Node]:
         """``_exposes_float16`` at ``v``: its answer when ``v`` alone decides, else the readers of
         ``v`` whose gradients ``v``'s carries on."""
         if v.target is rescale:
-            return False if v.kwargs.get("measured", True) else list(v.users)
+            return False if _measured(v) else list(v.users)
         if v.op != "call_function" and v.op != "call_method":
             return False  # (the output: the loss's gradient comes in at the loss scale)
         if float_dtype(v) == self.cfg.dtype:
-            return not all(u.target is rescale and u.kwargs.get("measured", True) for u in v.users)
+            return not all(u.target is rescale and _measured(u) for u in v.users)
         if cast_of(v) is None and category_of(op_name(v) or "", self.cfg.op_overrides) not in _PASSING:
             return False
         return list(v.users)
