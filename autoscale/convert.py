@@ -54,6 +54,7 @@ from autoscale.runtime import ScaleState, install_state, recoded_forward, unwrap
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "READ_VERSIONS",
     "ConvertError",
     "ConvertedFileError",
     "ConvertedModule",
@@ -72,8 +73,12 @@ log = logging.getLogger("autoscale")
 MAGIC = b"\x89autoscale\r\n\x1a\n"
 """The first bytes of a converted-module file (PNG-style: a non-ASCII byte, then line endings and
 ^Z that a text-mode copy would mangle)."""
-FORMAT_VERSION = 1
-"""The file format this autoscale writes and reads."""
+FORMAT_VERSION = 2
+"""The file format this autoscale writes. Version 2: a rescale node may carry ``measured=False`` (a
+float32 alignment, a multiply alone), which an autoscale that writes version 1 cannot run."""
+READ_VERSIONS = (1, 2)
+"""The file formats this autoscale reads: a version-1 graph measures every rescale point, which
+this one runs as written."""
 _HEADER = struct.Struct("<IQ32s")  # format version, payload length, SHA-256 of the payload
 _HEADER_SIZE = len(MAGIC) + _HEADER.size
 _KIND = "autoscale.ConvertedModule"
@@ -542,11 +547,11 @@ def _verified_payload(raw: bytes, path: str) -> bytes:
         raise TruncatedFileError(f"{path}: truncated inside its header ({len(raw)} of {_HEADER_SIZE} bytes); copy "
                                  f"the file again, or {_RECONVERT}")
     (version,) = struct.unpack_from("<I", raw, len(MAGIC))
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         action = ("upgrade autoscale" if version > FORMAT_VERSION
                   else "convert the model again with this autoscale and save it")
-        raise FormatVersionError(f"{path}: saved by format version {version}, this autoscale reads version "
-                                 f"{FORMAT_VERSION}: {action}")
+        raise FormatVersionError(f"{path}: saved by format version {version}, this autoscale reads versions "
+                                 f"{', '.join(map(str, READ_VERSIONS))}: {action}")
     if len(raw) < _HEADER_SIZE:
         raise TruncatedFileError(f"{path}: truncated inside its header ({len(raw)} of {_HEADER_SIZE} bytes); copy "
                                  f"the file again, or {_RECONVERT}")

@@ -405,8 +405,10 @@ def test_another_format_version_is_refused(saved: Path) -> None:
 
     _rewrite(saved, with_version(FORMAT_VERSION + 1))
     with pytest.raises(FormatVersionError, match=f"saved by format version {FORMAT_VERSION + 1}, this autoscale "
-                                                 f"reads version {FORMAT_VERSION}: upgrade autoscale"):
+                                                 f"reads versions 1, 2: upgrade autoscale"):
         load(saved)
+    _rewrite(saved, with_version(1))  # (version 1's payload is version 2's; its graphs measure every point)
+    assert isinstance(load(saved), ConvertedModule)
     _rewrite(saved, with_version(0))
     with pytest.raises(FormatVersionError, match="version 0.*convert the model again"):
         load(saved)
