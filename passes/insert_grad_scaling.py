@@ -82,8 +82,7 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     gm.meta["autoscale_scaling_needed"] = True
     gm.meta["autoscale_gradient_max"] = gradient_max(cfg.float8)
     layers = str(layout).split(LAYOUT_SEP)
-    state = _State(graph, scales, stats, layers, prefix=prefix, moments=bool(moments),
-                   fused=cfg.scaling.point_kernel == "fused", cfg=cfg)
+    state = _State(graph, scales, stats, layers, prefix=prefix, moments=bool(moments), cfg=cfg)
     state.requires = requires_grad_map(graph)
     points = scale_points(graph, cfg, state.requires)
     if cfg.scaling.placement == "predicted":
@@ -213,9 +212,9 @@ class _State:
     """The scaler's state nodes in this graph, and the rescale nodes placed so far."""
 
     def __init__(self, graph: Graph, scales: Node, stats: Node, layers: list[str], prefix: str, moments: bool,
-                 fused: bool, cfg: Config) -> None:
-        self.graph, self.scales, self.stats, self.moments, self.fused = graph, scales, stats, moments, fused
-        self.cfg = cfg
+                 cfg: Config) -> None:
+        self.graph, self.scales, self.stats, self.moments, self.cfg = graph, scales, stats, moments, cfg
+        self.fused = cfg.scaling.point_kernel == "fused"
         self.exposes: dict[Node, bool] = {}  # ``_exposes_float16``'s answers (nothing below a node changes after)
         self.rows = {name: row for row, name in enumerate(layers)}
         self.prefix = prefix  # the path of the scaler's model in this graph ("" when compiled directly)
