@@ -22,6 +22,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run it under a time limit, log to $out
   local rc=$?
   echo "== $name: rc $rc in $((SECONDS - start)) s (limit $limit s)"
   tail -n "${TAIL:-12}" "$out/$name.log"
+  grep -E "^(\[gw[0-9]+\] .*)?(FAILED|ERROR) " "$out/$name.log" | head -n 20
 }
 
 {
@@ -55,8 +56,9 @@ for name in "${steps[@]}"; do
     gpu_tests)  # the GPU-marked tests, and the kernel's tests run natively
         step gpu_tests 180 bash -c "'$py' -m pytest -q -p no:cacheprovider tests/test_kernels.py;
                                     '$py' -m pytest -q -p no:cacheprovider -m gpu tests" ;;
-    suite)  # the default suite, spread over the machine's cores
-        step suite "${SUITE_S:-300}" "$py" -m pytest -q -p no:cacheprovider -m "not slow" -n 16 ;;
+    suite)  # the default suite, spread over the machine's cores; -v names each failure as it
+            # happens, so a run cut short by its limit still says which tests failed
+        step suite "${SUITE_S:-300}" "$py" -m pytest -v -p no:cacheprovider -m "not slow" -n 16 ;;
     *) echo "unknown step $name"; exit 2 ;;
     esac
 done
