@@ -74,13 +74,14 @@ class ScalingConfig:
                 numerics benchmark's MLP, and a layer without a point cannot follow them).
     calibrate:  compile-time. Run the captured graph once in float32 on copies of the example
                 inputs and use the measured magnitudes instead of the analysis' predictions.
-    point_kernel: compile-time, CUDA only. "fused" (the default): each scale point's backward is
-                the Triton kernel ``autoscale::scale_grad``, one pass over the gradient in a launch
-                of its own, and one that zeroes its statistics. "inductor": plain torch that
-                Inductor fuses into the kernels next to it, as on a CPU (always, there). On a GPU
-                small models are launch-bound, and the fused kernel's launches made their backward
-                launch 131 kernels against torch.amp's 47 (docs/results/overhead_cuda.md); which
-                is faster there is for ``benchmarks.overhead --device cuda`` to say (its (a'')).
+    point_kernel: compile-time, CUDA only. "inductor" (the default): each scale point's backward is
+                plain torch that Inductor fuses into the kernels next to it, as on a CPU (always,
+                there). "fused": the Triton kernel ``autoscale::scale_grad``, one pass over the
+                gradient, but in a launch of its own plus one that zeroes its statistics. On an
+                H200, Inductor's points made the overhead benchmark's steps 2-9% faster in all six
+                comparisons (docs/results/overhead_cuda.md, its (a'')). Those steps are
+                launch-bound. The fused kernel reaches only 0.50-0.65 of a copy's bandwidth
+                (docs/results/kernels.md), so its single pass saves little on large gradients.
     update_every: recompute the adaptive scales every F steps (statistics accumulate in between).
     scale_upper_bound: optional cap on any one scale.
     init_scale, growth_factor, backoff_factor, growth_interval: torch.amp.GradScaler's, for
@@ -97,7 +98,7 @@ class ScalingConfig:
     gamma: float = 1e-3
     margin: int = 6
     calibrate: bool = False
-    point_kernel: Literal["fused", "inductor"] = "fused"
+    point_kernel: Literal["inductor", "fused"] = "inductor"
     update_every: int = 1
     scale_upper_bound: float | None = None
     init_scale: float = 2.0**16
@@ -111,7 +112,7 @@ class ScalingConfig:
         _choice("ScalingConfig", "mode", self.mode, _SCALING_MODES)
         _choice("ScalingConfig", "rule", self.rule, ("headroom", "paper"))
         _choice("ScalingConfig", "placement", self.placement, ("predicted", "all"))
-        _choice("ScalingConfig", "point_kernel", self.point_kernel, ("fused", "inductor"))
+        _choice("ScalingConfig", "point_kernel", self.point_kernel, ("inductor", "fused"))
         owner = "ScalingConfig"
         _real(owner, "gamma", self.gamma, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
         _flag(owner, "calibrate", self.calibrate)

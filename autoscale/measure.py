@@ -23,9 +23,9 @@ point, the joint-stage pass ``passes/batch_records.py`` folds a whole graph's re
 into one small gather at the end of the backward; run eagerly (``autoscale.convert``, the tests),
 ``record`` folds one point's values itself.
 
-``scale_and_measure`` computes the point's output and measurements: the fused Triton kernel on
-CUDA (unless ``ScalingConfig.point_kernel`` says "inductor"), plain torch that Inductor fuses
-into the kernel next to it elsewhere.
+``scale_and_measure`` computes the point's output and measurements: plain torch that Inductor
+fuses into the kernel next to it, or, on CUDA with ``ScalingConfig.point_kernel="fused"``, the
+fused Triton kernel.
 ``autoscale.kernels.reference.scale_grad_reference`` is the oracle of both.
 """
 
@@ -125,17 +125,17 @@ class Measured(NamedTuple):
 
 
 def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
-                      moments: bool = False, zeros: bool = False, fused: bool = True
+                      moments: bool = False, zeros: bool = False, fused: bool = False
                       ) -> tuple[torch.Tensor, Measured]:
     """The point's output, ``grad·factor`` in grad's dtype with ``factor = scale / carried`` (the
     scale the gradient leaves with over the one it arrived with), and its ``Measured``.
 
-    On CUDA with ``fused``, the fused Triton kernel (imported on first use: ``import autoscale``
-    stays triton-free): one pass, but a launch of its own and one that zeroes its statistics, which
-    a launch-bound step pays for (docs/results/overhead_cuda.md). Elsewhere, plain torch that
-    Inductor fuses into the kernel of the backward op next to it, computing only what is asked
-    for: one reduction, ``max |g|``, which carries inf and nan through, and from which the value
-    follows.
+    By default, plain torch that Inductor fuses into the kernel of the backward op next to it,
+    computing only what is asked for: one reduction, ``max |g|``, which carries inf and nan
+    through, and from which the value follows. On CUDA with ``fused``, the fused Triton kernel
+    (imported on first use: ``import autoscale`` stays triton-free): one pass, but a launch of its
+    own and one that zeroes its statistics, which a launch-bound step pays for
+    (docs/results/overhead_cuda.md).
 
     Written so that Inductor computes ``out`` in place, over the gradient's own buffer: Inductor
     does so only when the node writing ``out`` is the last to read that buffer. On CPU, writing a
@@ -247,7 +247,7 @@ def _max_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
 
 def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
                    in_rows: tuple[int, ...], record_rows: tuple[int, ...], unscale: bool, moments: bool,
-                   fused: bool = True) -> torch.Tensor:
+                   fused: bool = False) -> torch.Tensor:
     """The backward of ``autoscale.ops.rescale``: the gradient it hands on; ``stats`` gets the
     point's measurements (``record``).
 

@@ -163,9 +163,9 @@ _NO_GRADS = (None,) * 9  # for rescale's arguments after x
 
 def rescale(x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
             in_rows: tuple[int, ...], record_rows: tuple[int, ...] = (), unscale: bool = False,
-            moments: bool = False, fused: bool = True, measured: bool = True) -> torch.Tensor:
+            moments: bool = False, fused: bool = False, measured: bool = True) -> torch.Tensor:
     """Identity forward; backward rescales the gradient and records its statistics (see the module).
-    ``fused``: on CUDA, the backward runs the fused Triton kernel (``ScalingConfig.point_kernel``).
+    ``fused``: on CUDA, the backward runs the fused Triton kernel (``ScalingConfig.point_kernel="fused"``).
     ``measured=False``: the backward only rescales (``record_rows`` must then be empty)."""
     if not measured and (record_rows or unscale):
         raise ValueError("a rescale point that is not measured records nothing and unscales nothing: "

@@ -4,7 +4,7 @@
                                       # writes docs/results/step_profile[_cuda].md
 
 For each model of ``benchmarks.overhead`` and its methods (a) autoscale, on CUDA (a'') autoscale
-with the scale points in Inductor's kernels, and (b) the baseline (compiled float16 with
+with the scale points in the fused Triton kernel, and (b) the baseline (compiled float16 with
 torch.amp.GradScaler), after compiling and warming up: ``--steps`` steps,
 each phase (forward with the loss and ``scale()``, backward, ``step()``, ``update()``) under its own
 ``torch.profiler`` session, so that every event belongs to the phase it ran in. Reported per phase:
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.profiler import DeviceType, ProfilerActivity, profile
 
 from benchmarks import publish, step_parser
-from benchmarks.overhead import A_INDUCTOR, MODELS, PHASES, A, B, _Method, _methods
+from benchmarks.overhead import A_FUSED, MODELS, PHASES, A, B, _Method, _methods
 
 TOP = 6
 T = TypeVar("T")
@@ -76,7 +76,7 @@ def measure(name: str, *, quick: bool, steps: int, device: str) -> dict[str, _Ph
     x, y = x.to(device), y.to(device)
     methods = _methods(model, device)
     results = {}
-    for label in [label for label in (A, A_INDUCTOR, B) if label in methods]:  # ((a'') on CUDA only)
+    for label in [label for label in (A, A_FUSED, B) if label in methods]:  # ((a'') on CUDA only)
         for _ in range(3):  # compile and warm up
             methods[label].step(x, y, device=device)
         results[label] = _profile_steps(methods[label], x, y, steps, device)

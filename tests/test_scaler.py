@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -706,7 +707,8 @@ def test_the_fused_kernel_launches_like_inductors_own_on_cuda() -> None:
     model, (x,), y = mlp_case()
     model.cuda()
     scaler = GradScaler(model)
-    compiled = torch.compile(model, backend=autoscale.backend(EVERYWHERE))
+    fused = dataclasses.replace(EVERYWHERE, scaling=ScalingConfig(placement="all", point_kernel="fused"))
+    compiled = torch.compile(model, backend=autoscale.backend(fused))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with torch._inductor.config.patch(strict_static_cuda_launcher=True, force_disable_caches=True):
         assert _train_steps(model, scaler, opt, compiled, x.cuda(), y.cuda(), 2) == [False, False]
