@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import platform
 from pathlib import Path
+from typing import Literal
 
 import torch
+
+Size = Literal["quick", "full", "large"]
+"""How large a step benchmark's models are: ``--quick``, the default, or ``--large`` (GPU only)."""
 
 NOTES_HEADING = "## What the numbers say"
 
@@ -20,16 +24,21 @@ def notes_of(path: Path) -> str:
     return text[text.index(NOTES_HEADING):] if NOTES_HEADING in text else ""
 
 
-def results_path(stem: str, *, quick: bool = False, device: str = "cpu") -> Path:
-    """docs/results/<stem>[_quick][_<device>].md: where a benchmark's report goes by default."""
-    suffix = ("_quick" if quick else "") + ("" if device == "cpu" else f"_{device}")
+def results_path(stem: str, *, size: Size = "full", device: str = "cpu") -> Path:
+    """docs/results/<stem>[_quick|_large][_<device>].md: where a benchmark's report goes by default."""
+    suffix = ("" if size == "full" else f"_{size}") + ("" if device == "cpu" else f"_{device}")
     return Path(__file__).resolve().parent.parent / "docs" / "results" / f"{stem}{suffix}.md"
 
 
-def step_parser(doc: str | None, stem: str, quick_help: str) -> argparse.ArgumentParser:
-    """The options of a benchmark of training steps: --quick, --device, -o (see ``publish``)."""
+def step_parser(doc: str | None, stem: str, quick_help: str, large_help: str | None = None
+                ) -> argparse.ArgumentParser:
+    """The options of a benchmark of training steps: --quick (and --large, where the benchmark has
+    large models: ``large_help``), --device, -o (see ``publish``). ``size_of`` reads the size."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=quick_help)
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help=quick_help)
+    if large_help is not None:
+        sizes.add_argument("--large", action="store_true", help=large_help)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("-o", "--output", type=Path, help=f"report path (default docs/results/{stem}*.md)")
     return parser
@@ -37,8 +46,13 @@ def step_parser(doc: str | None, stem: str, quick_help: str) -> argparse.Argumen
 
 def publish(text: str, stem: str, args: argparse.Namespace) -> None:
     """Write a ``step_parser`` benchmark's report where its options say, and print it."""
-    write_report(args.output or results_path(stem, quick=args.quick, device=args.device), text)
+    write_report(args.output or results_path(stem, size=size_of(args), device=args.device), text)
     print(text)
+
+
+def size_of(args: argparse.Namespace) -> Size:
+    """The model size a ``step_parser`` benchmark's options ask for."""
+    return "quick" if args.quick else "large" if getattr(args, "large", False) else "full"
 
 
 def write_report(path: Path, text: str) -> None:

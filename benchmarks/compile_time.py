@@ -124,7 +124,7 @@ def _e2e_model(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], bool]:
         return T5(ff_gain=28.0, layers=1 if "1+1" in name else 3), t5_batch(0), True
     from benchmarks.overhead import MODELS
 
-    model, x, _ = MODELS[name.split(" (")[0]](True)
+    model, x, _ = MODELS[name.split(" (")[0]]("quick")
     return model, (x,), False
 
 

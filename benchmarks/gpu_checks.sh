@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check, in one call of a lent GPU machine (its lease is minutes: docs/results/gpu.md):
 #
-#     bash benchmarks/gpu_checks.sh [STEP...]   # steps: bandwidth overhead overhead_quick profile
-#                                               # kernel_tests gpu_tests suite (default: bandwidth overhead
-#                                               # gpu_tests); logs and reports under $OUT
+#     bash benchmarks/gpu_checks.sh [STEP...]   # steps: bandwidth overhead overhead_quick overhead_large
+#                                               # profile kernel_tests gpu_tests suite (default: bandwidth
+#                                               # overhead gpu_tests); logs and reports under $OUT
 #
 # Runs under the machine's own python3 (PYTHON=... to change) after an editable install without
 # dependencies (the backend's entry point needs it). Each step has a time limit, so one that hangs
@@ -48,6 +48,9 @@ for name in "${steps[@]}"; do
     overhead_quick)
         step overhead_quick 180 "$py" -m benchmarks.overhead --device cuda --quick
         cp docs/results/overhead_quick_cuda.md "$out/" 2>/dev/null ;;
+    overhead_large)  # models whose steps the GPU's arithmetic bounds (benchmarks.overhead --large)
+        step overhead_large 330 "$py" -m benchmarks.overhead --device cuda --large
+        cp docs/results/overhead_large_cuda.md "$out/" 2>/dev/null ;;
     profile)
         step profile 120 "$py" -m benchmarks.step_profile --device cuda --steps 3 --models MLP "transformer block"
         cp docs/results/step_profile_cuda.md "$out/" 2>/dev/null ;;

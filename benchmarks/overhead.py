@@ -1,7 +1,13 @@
 """Step-time overhead of per-layer gradient scaling, measured side by side in one process.
 
-    python -m benchmarks.overhead [--quick] [--runs N] [--device cuda] [-o FILE]
-                                  # writes docs/results/overhead[_quick][_cuda].md
+    python -m benchmarks.overhead [--quick | --large] [--runs N] [--device cuda] [-o FILE]
+                                  # writes docs/results/overhead[_quick|_large][_cuda].md
+
+Sizes: ``--quick`` (2-3 ms steps on the 2-core CPU), the default (full), and ``--large``, for a GPU
+only. On a GPU the full models' steps are bound by the host's kernel launches: an H200 runs their
+arithmetic in a fraction of the ~3 ms the host takes to launch it. ``--large`` gives each step
+several times that in GEMMs and convolutions (on the order of 10 ms of an H200's float16 work), which
+is the regime real training runs in.
 
 Methods, for each model (interleaved rounds, medians):
   (a) autoscale: torch.compile(backend="autoscale") + autoscale.GradScaler (per-layer scales,
@@ -14,8 +20,8 @@ Methods, for each model (interleaved rounds, medians):
       unscale-and-check pass over the gradients)
   (b') the same baseline again, a second copy of the model compiled alike: the A/A control,
       what a/b is to be read against (how far apart two copies of one method time)
-  (c) torch.compile (Inductor), float32
-  (d) eager, float32
+  (c) torch.compile (Inductor), float32 (not with ``--large``)
+  (d) eager, float32 (not with ``--large``)
 On CUDA, (b) is torch.compile (Inductor) + torch.autocast(float16) + torch.amp.GradScaler, and (a)
 runs native float16 GEMMs. On a CPU, (a) and (b) both run autoscale's emulated float16 (float16
 storage and rounding, float32 GEMM arithmetic): torch.autocast's float16 would run native half
@@ -55,7 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoscale
-from benchmarks import publish, step_parser
+from benchmarks import Size, publish, size_of, step_parser
 from benchmarks.host_reads import HostReads
 from benchmarks.numerics.tasks import Block
 
@@ -66,21 +72,21 @@ B_AGAIN = "(b') the same, a second copy"
 RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_FUSED, "a''/b"), (B_AGAIN, "b'/b"))  # (method, column) over (b)
 
 
-def mlp(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    width, depth, batch = (256, 4, 128) if quick else (512, 6, 256)
+def mlp(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    width, depth, batch = {"quick": (256, 4, 128), "full": (512, 6, 256), "large": (4096, 8, 8192)}[size]
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.GELU()]
     return nn.Sequential(*layers, nn.Linear(width, 10)), torch.randn(batch, width), torch.randint(0, 10, (batch,))
 
 
-def cnn(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    c, size, batch = (16, 16, 32) if quick else (32, 32, 64)
+def cnn(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    c, side, batch = {"quick": (16, 16, 32), "full": (32, 32, 64), "large": (128, 128, 128)}[size]
     model = nn.Sequential(
         nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
         nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
-    return model, torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+    return model, torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
 
 
 class _Classifier(nn.Module):
@@ -94,12 +100,12 @@ class _Classifier(nn.Module):
         return self.head(self.block(x).mean(1))
 
 
-def transformer(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    d, seq, batch = (64, 32, 8) if quick else (128, 64, 16)
-    return _Classifier(d, 4), torch.randn(batch, seq, d), torch.randint(0, 10, (batch,))
+def transformer(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    d, heads, seq, batch = {"quick": (64, 4, 32, 8), "full": (128, 4, 64, 16), "large": (2048, 16, 1024, 16)}[size]
+    return _Classifier(d, heads), torch.randn(batch, seq, d), torch.randint(0, 10, (batch,))
 
 
-MODELS: dict[str, Callable[[bool], tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {
+MODELS: dict[str, Callable[[Size], tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {
     "MLP": mlp, "CNN": cnn, "transformer block": transformer}
 
 
@@ -179,8 +185,11 @@ def _synced(device: str) -> float:
     return time.perf_counter()
 
 
-def _methods(model: nn.Module, device: str) -> dict[str, _Method]:
-    a, a0, b, b2, c, d = (copy.deepcopy(model).to(device) for _ in range(6))
+def _methods(model: nn.Module, device: str, *, references: bool = True) -> dict[str, _Method]:
+    """The methods timed on ``model`` (the module's docstring); ``references``: with the float32
+    ones, (c) and (d), which are no part of a/b (``--large`` leaves them out: in float32 its steps
+    take ten times as long)."""
+    a, a0, b, b2 = (copy.deepcopy(model).to(device) for _ in range(4))
 
     def baseline(m: nn.Module) -> _Method:
         run = torch.compile(_Autocast(m, device)) if device == "cuda" else torch.compile(m, backend="autoscale")
@@ -192,9 +201,11 @@ def _methods(model: nn.Module, device: str) -> dict[str, _Method]:
         A_UNWATCHED: _Method(torch.compile(a0, backend=autoscale.backend(unwatched)), None, a0),
         B: baseline(b),
         B_AGAIN: baseline(b2),
-        "(c) torch.compile fp32": _Method(torch.compile(c), _NoScaler(), c),
-        "(d) eager fp32": _Method(d, _NoScaler(), d),
     }
+    if references:
+        c, d = (copy.deepcopy(model).to(device) for _ in range(2))
+        methods |= {"(c) torch.compile fp32": _Method(torch.compile(c), _NoScaler(), c),
+                    "(d) eager fp32": _Method(d, _NoScaler(), d)}
     if device == "cuda":  # (the fused kernel runs on CUDA only)
         a2 = copy.deepcopy(model).to(device)
         fused = autoscale.Config(scaling=autoscale.ScalingConfig(point_kernel="fused"))
@@ -211,11 +222,11 @@ class Result:
         self.reads: dict[str, tuple[int, int]] = {}  # method -> (plain, fused)
 
 
-def measure(name: str, quick: bool, runs: int, rounds: int, steps: int, device: str) -> Result:
+def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: str) -> Result:
     torch.manual_seed(0)
-    model, x, y = MODELS[name](quick)
+    model, x, y = MODELS[name](size)
     x, y = x.to(device), y.to(device)
-    methods = _methods(model, device)
+    methods = _methods(model, device, references=size != "large")
     # (every method compiles afresh: a graph served from the caches runs faster; see the docstring)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         for method in methods.values():
@@ -250,7 +261,7 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def report(results: dict[str, Result], *, quick: bool, runs: int, rounds: int, steps: int, device: str) -> str:
+def report(results: dict[str, Result], *, size: Size, runs: int, rounds: int, steps: int, device: str) -> str:
     labels = list(next(iter(results.values())).steps[0])
     ratios_of = [(label, column) for label, column in RATIOS if label in labels]
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
@@ -283,8 +294,9 @@ def report(results: dict[str, Result], *, quick: bool, runs: int, rounds: int, s
     machine = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
     a_b = statistics.median(overall["a/b"])
     summary = ", ".join(f"{column} {statistics.median(overall[column]):.3f}" for _, column in ratios_of[1:])
-    return (f"# Step-time overhead{' (--quick)' if quick else ''}\n\n{__doc__}\nMachine: {machine}, torch "
-            f"{torch.__version__}, {'--quick' if quick else 'full'} run; {runs} runs of {rounds} interleaved "
+    option = "" if size == "full" else f"--{size}"
+    return (f"# Step-time overhead{f' ({option})' if option else ''}\n\n{__doc__}\nMachine: {machine}, torch "
+            f"{torch.__version__}, {option or 'full'} run; {runs} runs of {rounds} interleaved "
             f"rounds of {steps} steps; step times are the median over runs of each run's median.\n\n"
             + "\n".join(lines)
             + f"\n\nGeometric mean over the models, median of the runs: **a/b {a_b:.3f}**, "
@@ -297,12 +309,16 @@ def report(results: dict[str, Result], *, quick: bool, runs: int, rounds: int, s
 
 
 def main() -> None:
-    parser = step_parser(__doc__, "overhead", "small models (2-3 ms steps; about 3 minutes)")
+    parser = step_parser(__doc__, "overhead", "small models (2-3 ms steps; about 3 minutes)",
+                         "models whose steps a GPU's arithmetic bounds, not the host's launches (GPU only)")
     parser.add_argument("--runs", type=int, default=3, help="measurement runs after one compile (default 3)")
     args = parser.parse_args()
+    size = size_of(args)
+    if size == "large" and args.device == "cpu":
+        parser.error("--large is sized for a GPU (a step would take minutes on a CPU); add --device cuda")
     rounds, steps = 15, 5
-    results = {name: measure(name, args.quick, args.runs, rounds, steps, args.device) for name in MODELS}
-    publish(report(results, quick=args.quick, runs=args.runs, rounds=rounds, steps=steps, device=args.device),
+    results = {name: measure(name, size, args.runs, rounds, steps, args.device) for name in MODELS}
+    publish(report(results, size=size, runs=args.runs, rounds=rounds, steps=steps, device=args.device),
             "overhead", args)
 
 

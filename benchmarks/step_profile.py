@@ -72,7 +72,7 @@ def _profile_steps(method: _Method, x: torch.Tensor, y: torch.Tensor, steps: int
 
 def measure(name: str, *, quick: bool, steps: int, device: str) -> dict[str, _PhaseProfile]:
     torch.manual_seed(0)
-    model, x, y = MODELS[name](quick)
+    model, x, y = MODELS[name]("quick" if quick else "full")
     x, y = x.to(device), y.to(device)
     methods = _methods(model, device)
     results = {}

@@ -48,7 +48,8 @@ def test_invalid_quant_config(kwargs: dict, message: str) -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"mode": "auto"}, r"ScalingConfig.mode='auto' is not valid; allowed values: 'adaptive', 'dynamic'"),
     ({"gamma": 0.0}, r"ScalingConfig.gamma=0.0 is not valid"),
-    ({"point_kernel": "triton"}, r"ScalingConfig.point_kernel='triton' is not valid; allowed values: 'inductor', 'fused'"),
+    ({"point_kernel": "triton"},
+     r"ScalingConfig.point_kernel='triton' is not valid; allowed values: 'inductor', 'fused'"),
 ])
 def test_invalid_scaling_config(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

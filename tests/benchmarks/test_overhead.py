@@ -1,0 +1,47 @@
+"""The overhead benchmark's model sizes (``benchmarks.overhead``): ``--large`` is what it says."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks import results_path
+from benchmarks.overhead import MODELS, main
+
+
+def _step_flops(name: str, size: str) -> int:
+    """A training step's arithmetic (forward and backward), counted on meta tensors: nothing is
+    allocated or computed."""
+    with torch.device("meta"):
+        model, x, y = MODELS[name](size)  # type: ignore[arg-type]
+        with FlopCounterMode(display=False) as counter:
+            F.cross_entropy(model(x), y).backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_large_models_give_a_gpu_arithmetic_to_wait_on(name: str) -> None:
+    """On a GPU the full models' steps are bound by the host's launches: a few GFLOP, which an
+    H200 does in microseconds. A large model's step is ~1 TFLOP or more, several milliseconds of
+    an H200's float16 work (~700 TFLOP/s at best), and hundreds of times the full model's."""
+    full, large = _step_flops(name, "full"), _step_flops(name, "large")
+    assert full < 1e10
+    assert large > 1.5e12 and large > 300 * full
+
+
+def test_large_is_refused_on_a_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["overhead", "--large"])
+    with pytest.raises(SystemExit):
+        main()
+    assert "--large is sized for a GPU" in capsys.readouterr().err
+
+
+def test_each_size_has_its_own_report() -> None:
+    names = {results_path("overhead", size=size, device=device).name  # type: ignore[arg-type]
+             for size in ("quick", "full", "large") for device in ("cpu", "cuda")}
+    assert names == {"overhead.md", "overhead_quick.md", "overhead_large.md",
+                     "overhead_cuda.md", "overhead_quick_cuda.md", "overhead_large_cuda.md"}
