@@ -2,8 +2,9 @@
 # Every GPU check, in one call of a lent GPU machine (its lease is minutes: docs/results/gpu.md):
 #
 #     bash benchmarks/gpu_checks.sh [STEP...]   # steps: bandwidth overhead overhead_quick overhead_large
-#                                               # profile kernel_tests gpu_tests suite (default: bandwidth
-#                                               # overhead gpu_tests); logs and reports under $OUT
+#                                               # overhead_combo profile kernel_tests gpu_tests suite
+#                                               # (default: bandwidth overhead gpu_tests); logs and reports
+#                                               # under $OUT
 #
 # Runs under the machine's own python3 (PYTHON=... to change) after an editable install without
 # dependencies (the backend's entry point needs it). Each step has a time limit, so one that hangs
@@ -51,6 +52,9 @@ for name in "${steps[@]}"; do
     overhead_large)  # models whose steps the GPU's arithmetic bounds (benchmarks.overhead --large)
         step overhead_large 330 "$py" -m benchmarks.overhead --device cuda --large
         cp docs/results/overhead_large_cuda.md "$out/" 2>/dev/null ;;
+    overhead_combo)  # every method with Inductor's combo kernels (independent kernels in one launch)
+        step overhead_combo 240 "$py" -m benchmarks.overhead --device cuda --inductor combo_kernels=True \
+            -o "$out/overhead_combo_cuda.md" ;;
     profile)
         step profile 120 "$py" -m benchmarks.step_profile --device cuda --steps 3 --models MLP "transformer block"
         cp docs/results/step_profile_cuda.md "$out/" 2>/dev/null ;;

@@ -2,6 +2,8 @@
 
     python -m benchmarks.overhead [--quick | --large] [--runs N] [--device cuda] [-o FILE]
                                   # writes docs/results/overhead[_quick|_large][_cuda].md
+    python -m benchmarks.overhead --inductor combo_kernels=True -o FILE [...]
+                                  # every method compiled with an Inductor option (repeatable)
 
 Sizes: ``--quick`` (2-3 ms steps on the 2-core CPU), the default (full), and ``--large``, for a GPU
 only. On a GPU the full models' steps are bound by the host's kernel launches: an H200 runs their
@@ -46,11 +48,13 @@ host's reads of device values in a steady-state ``step()`` + ``update()`` (each 
 
 from __future__ import annotations
 
+import argparse
+import ast
 import copy
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -222,13 +226,17 @@ class Result:
         self.reads: dict[str, tuple[int, int]] = {}  # method -> (plain, fused)
 
 
-def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: str) -> Result:
+def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: str,
+            inductor: Mapping[str, Any] | None = None) -> Result:
+    """``name``'s step times, phases and host reads; ``inductor``: Inductor options every method
+    compiles under (``--inductor``)."""
     torch.manual_seed(0)
     model, x, y = MODELS[name](size)
     x, y = x.to(device), y.to(device)
     methods = _methods(model, device, references=size != "large")
     # (every method compiles afresh: a graph served from the caches runs faster; see the docstring)
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+    with (torch._inductor.config.patch({"fx_graph_cache": False, **(inductor or {})}),
+          torch._functorch.config.patch(enable_autograd_cache=False)):
         for method in methods.values():
             for _ in range(3):  # compile and warm up
                 method.step(x, y, device=device)
@@ -261,7 +269,8 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def report(results: dict[str, Result], *, size: Size, runs: int, rounds: int, steps: int, device: str) -> str:
+def report(results: dict[str, Result], *, size: Size, runs: int, rounds: int, steps: int, device: str,
+           inductor: Mapping[str, Any] | None = None) -> str:
     labels = list(next(iter(results.values())).steps[0])
     ratios_of = [(label, column) for label, column in RATIOS if label in labels]
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
@@ -292,6 +301,8 @@ def report(results: dict[str, Result], *, size: Size, runs: int, rounds: int, st
         read_lines.append(f"| {name} | " + " | ".join(f"{p} / {f}" for p, f in (r.reads[label] for label in
                                                                                 (A, A_UNWATCHED, B))) + " |")
     machine = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
+    if inductor:
+        machine += ", every method compiled with Inductor's " + ", ".join(f"{k}={v!r}" for k, v in inductor.items())
     a_b = statistics.median(overall["a/b"])
     summary = ", ".join(f"{column} {statistics.median(overall[column]):.3f}" for _, column in ratios_of[1:])
     option = "" if size == "full" else f"--{size}"
@@ -312,14 +323,33 @@ def main() -> None:
     parser = step_parser(__doc__, "overhead", "small models (2-3 ms steps; about 3 minutes)",
                          "models whose steps a GPU's arithmetic bounds, not the host's launches (GPU only)")
     parser.add_argument("--runs", type=int, default=3, help="measurement runs after one compile (default 3)")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of torch._inductor.config that every method, the baseline's too, compiles "
+                             "under (repeatable; e.g. combo_kernels=True); needs -o")
     args = parser.parse_args()
     size = size_of(args)
     if size == "large" and args.device == "cpu":
         parser.error("--large is sized for a GPU (a step would take minutes on a CPU); add --device cuda")
+    inductor = dict(_inductor_option(parser, option) for option in args.inductor)
+    if inductor and args.output is None:
+        parser.error("--inductor changes what is measured: name its report with -o, not the default one")
     rounds, steps = 15, 5
-    results = {name: measure(name, size, args.runs, rounds, steps, args.device) for name in MODELS}
-    publish(report(results, size=size, runs=args.runs, rounds=rounds, steps=steps, device=args.device),
+    results = {name: measure(name, size, args.runs, rounds, steps, args.device, inductor) for name in MODELS}
+    publish(report(results, size=size, runs=args.runs, rounds=rounds, steps=steps, device=args.device,
+                   inductor=inductor),
             "overhead", args)
+
+
+def _inductor_option(parser: argparse.ArgumentParser, option: str) -> tuple[str, Any]:
+    """``--inductor KEY=VALUE``: the key, which torch._inductor.config must have, and the value as
+    a Python literal (a bare word stays a string)."""
+    key, sep, text = option.partition("=")
+    if not sep or not hasattr(torch._inductor.config, key):
+        parser.error(f"--inductor {option!r}: give KEY=VALUE with KEY an option of torch._inductor.config")
+    try:
+        return key, ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return key, text
 
 
 if __name__ == "__main__":

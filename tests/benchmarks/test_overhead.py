@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+import benchmarks.overhead as overhead
 from benchmarks import results_path
 from benchmarks.overhead import MODELS, main
 
@@ -45,3 +46,36 @@ def test_each_size_has_its_own_report() -> None:
              for size in ("quick", "full", "large") for device in ("cpu", "cuda")}
     assert names == {"overhead.md", "overhead_quick.md", "overhead_large.md",
                      "overhead_cuda.md", "overhead_quick_cuda.md", "overhead_large_cuda.md"}
+
+
+@pytest.mark.parametrize(("argv", "refusal"), [
+    (["--inductor", "no_such_option=1", "-o", "x.md"], "an option of torch._inductor.config"),
+    (["--inductor", "combo_kernels"], "KEY=VALUE"),
+    (["--inductor", "combo_kernels=True"], "name its report with -o"),
+])
+def test_inductor_options_are_refused_unless_known_and_reported_apart(
+        argv: list[str], refusal: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["overhead", *argv])
+    with pytest.raises(SystemExit):
+        main()
+    assert refusal in capsys.readouterr().err
+
+
+def test_every_method_compiles_under_the_inductor_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``--inductor`` asks for is in force while each method compiles (its first steps), and
+    the report says so."""
+    seen: list[bool] = []
+    real = overhead._Method.step
+
+    def step(self: overhead._Method, *args: object, **kwargs: object) -> None:
+        seen.append(torch._inductor.config.max_autotune_pointwise)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(overhead._Method, "step", step)
+    result = overhead.measure("MLP", "quick", runs=1, rounds=1, steps=1, device="cpu",
+                              inductor={"max_autotune_pointwise": True})
+    assert seen[:3 * len(result.steps[0])] == [True] * (3 * len(result.steps[0]))  # (the compiles and warm-ups)
+    assert not torch._inductor.config.max_autotune_pointwise  # (restored)
+    text = overhead.report({"MLP": result}, size="quick", runs=1, rounds=1, steps=1, device="cpu",
+                           inductor={"max_autotune_pointwise": True})
+    assert "every method compiled with Inductor's max_autotune_pointwise=True" in text
