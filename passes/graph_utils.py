@@ -45,6 +45,7 @@ __all__ = [
     "new_fake_call",
     "new_node",
     "node_keys",
+    "op_args",
     "op_name",
     "parameter_path",
     "provenance",
@@ -131,6 +132,12 @@ def op_name(node: Node) -> str | None:
     if node.target is emulated and node.args and isinstance(node.args[0], str):
         name = _function_name(resolve(node.args[0]))
     return name[:-1] if name is not None and _has_inplace_suffix(name) else name
+
+
+def op_args(node: Node) -> tuple[Any, ...]:
+    """The positional arguments of the op ``node`` computes: for an ``emulated(op, dtype, ...)``
+    call (``emulate_compute``), those after ``op`` and ``dtype``."""
+    return node.args[2:] if node.target is emulated else node.args
 
 
 def sparse_gradient(node: Node) -> bool:

@@ -5,13 +5,15 @@ run time. This pass puts ``autoscale.ops.watch(x, peaks, slot)`` after
 
 * every float16 GEMM/convolution output and every float16 elementwise result that can grow
   (allow and infer ops, but the ``op_tables.BOUNDED`` ones such as GELU or tanh, which are never
-  larger than their input; data movement only moves values, and a masked fill with -inf is not
-  an overflow);
+  larger than their input, and attention's ``softmax(scores) @ v``, each element a weighted average
+  of ``v``'s, which a finite float16 ``v`` bounds (``_weighted_average``); data movement only moves
+  values, and a masked fill with -inf is not an overflow);
 * every cast of a float32 value into float16 (the rounding itself can overflow: a float32
   residual stream cast for the next GEMM, an unnormalized input), but a parameter's (a weight
   that grows overflows the GEMM it feeds first, which is watched) and a normalization's output
-  predicted far inside the range (``_normalized``). The check reads the float32 source, so it
-  sees the magnitude the cast loses;
+  predicted far inside the range (``_normalized``: a norm op, or an RMS norm written out as T5's
+  and Llama's are, with its affine weight). The check reads the float32 source, so it sees the
+  magnitude the cast loses;
 * every op kept in float32 because of forward overflow, and the graph's float outputs, but an
   output that only widens a watched value (the float32 logits of a float16 head GEMM, through its
   scale point): that value's check is marked as the output's instead, as a second check would read
@@ -55,13 +57,15 @@ from .graph_utils import (
     float_dtype,
     layer_of,
     new_node,
+    op_args,
     op_name,
+    parameter_path,
     provenance,
     source_line,
     tensor_val,
 )
 from .manager import PassResult
-from .op_tables import BOUNDED, NORMALIZATIONS, Category, category_of
+from .op_tables import BOUNDED, FIXED, NORMALIZATIONS, Category, category_of
 from .predict_overflow import PEAKS_INPUT_KEY
 
 if TYPE_CHECKING:
@@ -76,6 +80,10 @@ CAST_MARGIN = 2.0**8
 """How far below the threshold a normalized value's predicted max must be for its cast into float16
 to go unwatched (``_normalized``): norm weights grow, but not 256-fold."""
 _GROWS = (Category.ALLOW, Category.INFER)
+_SAME_VALUES = FIXED | {"contiguous", "clone"}
+"""Ops whose output holds their input's values, in another dtype or layout at most."""
+_AVERAGING = frozenset({"matmul", "bmm"})
+"""Products whose first operand's last dimension is the one contracted."""
 
 
 def insert_overflow_checks(gm: GraphModule, cfg: Config) -> PassResult:
@@ -147,7 +155,7 @@ def _site(n: Node, cfg: Config, is_output: bool) -> tuple[str, SiteKind, str, No
     name = op_name(n) or ""
     category = category_of(name, cfg.op_overrides)
     if float_dtype(n) == cfg.dtype:
-        grows = category in _GROWS and name not in BOUNDED
+        grows = category in _GROWS and name not in BOUNDED and not _weighted_average(n)
         return (key, "float16", f"{category.value} op in {dtype_name(cfg.dtype)}", n, n) if grows else None
     reason = n.meta.get(PROVENANCE_KEY, {}).get("reason", "")
     if reason.startswith(OVERFLOW_REASON):  # kept in float32 by convert_precision, for forward overflow
@@ -168,12 +176,82 @@ def _normalized(source: Node, cfg: Config) -> bool:
     n: object = source
     while isinstance(n, Node) and n.op in ("call_function", "call_method"):
         name = op_name(n) or ""
-        if name in NORMALIZATIONS:
+        if name in NORMALIZATIONS or _rms_normalized(n):
             return True
+        if (scaled := _scaled_by_parameter(n)) is not None:  # (a norm's affine weight, applied apart)
+            n = scaled
+            continue
         if category_of(name, cfg.op_overrides) is not Category.CLEAR and name not in BOUNDED and cast_of(n) is None:
             return False
         n = n.args[0] if n.args else None
     return False
+
+
+def _values_of(x: object) -> object:
+    """``x`` through ops that keep its values (casts, copies, rescale points: the identity forward)."""
+    while (isinstance(x, Node) and x.op in ("call_function", "call_method") and x.args
+           and (x.target is rescale or op_name(x) in _SAME_VALUES)):
+        x = x.args[0]
+    return x
+
+
+def _rms_normalized(n: Node) -> bool:
+    """Whether ``n`` is ``x * rsqrt(mean(x²) + eps)`` (or ``x / sqrt(...)``), an RMS norm written out,
+    as T5's and Llama's are: no element is more than √(elements averaged) times the root mean
+    square, so its magnitude is bounded whatever ``x``'s (a non-finite ``x`` is watched where it is
+    made). The squares' epsilon, if any, is a number added to the mean."""
+    name = op_name(n)
+    if name not in ("mul", "div") or len(n.args) != 2:
+        return False
+    pairs = [(n.args[0], n.args[1])] if name == "div" else [(n.args[0], n.args[1]), (n.args[1], n.args[0])]
+    root = "sqrt" if name == "div" else "rsqrt"
+    return any(_is_rms_of(_values_of(x), r, root) for x, r in pairs)
+
+
+def _is_rms_of(x: object, r: object, root: str) -> bool:
+    """Whether ``r`` is ``root(mean(x²) [+ eps])``."""
+    if not isinstance(r, Node) or op_name(r) != root or not r.args:
+        return False
+    m = r.args[0]
+    if isinstance(m, Node) and op_name(m) == "add":  # (+ eps)
+        terms = [a for a in m.args if isinstance(a, Node)]
+        m = terms[0] if len(m.args) == 2 and len(terms) == 1 else None
+    if not isinstance(m, Node) or op_name(m) != "mean" or not m.args:
+        return False
+    square = m.args[0]
+    if not isinstance(square, Node) or len(square.args) != 2:
+        return False
+    base, other = (_values_of(a) for a in square.args)
+    squared = (op_name(square) == "pow" and other == 2) or (op_name(square) == "mul" and base is other)
+    return squared and base is x
+
+
+def _scaled_by_parameter(n: Node) -> Node | None:
+    """The other operand of ``n`` if ``n`` multiplies a value by a parameter (a norm's affine
+    weight, applied apart from the norm), else None."""
+    if op_name(n) != "mul" or len(n.args) != 2:
+        return None
+    a, b = n.args
+    for weight, value in ((_values_of(a), b), (_values_of(b), a)):
+        if isinstance(value, Node) and isinstance(weight, Node) and parameter_path(weight) is not None:
+            return value
+    return None
+
+
+def _weighted_average(n: Node) -> bool:
+    """Whether ``n`` is ``softmax(s, dim=-1) @ v`` (through casts): each element of its output a
+    weighted average of a column of ``v`` (weights >= 0 summing to 1, up to their rounding: 2^-12
+    at most), so a finite float16 ``v`` keeps it finite, and a ``v`` near 65504 is itself watched.
+    (A softmax's own non-finite values, a fully masked row's, are named by its cast into float16.)"""
+    args = op_args(n)
+    if op_name(n) not in _AVERAGING or len(args) < 2:
+        return False
+    weights = _values_of(args[0])
+    if not isinstance(weights, Node) or op_name(weights) != "softmax":
+        return False
+    dim = weights.args[1] if len(weights.args) > 1 else weights.kwargs.get("dim")
+    val = tensor_val(weights)
+    return isinstance(dim, int) and isinstance(val, torch.Tensor) and dim in (-1, val.dim() - 1)
 
 
 def _exact_copy_of(n: Node) -> Node:

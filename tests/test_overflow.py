@@ -32,6 +32,7 @@ from autoscale.overflow import ForwardSites, Site, SiteKind, alarm, diagnose, ou
 from autoscale.passes import PIPELINE, run_stage
 from autoscale.passes.analyze_underflow import clear_caches, forward_moments, seed_inputs
 from autoscale.passes.graph_utils import PROVENANCE_KEY, op_name
+from autoscale.passes.insert_overflow_checks import SITES_KEY
 from autoscale.passes.op_tables import Category, category_of
 from autoscale.report import format_summary, load_telemetry, summarize
 from autoscale.runtime import install_state
@@ -161,6 +162,39 @@ def test_models_without_overflow_are_unchanged(case: Callable[..., Any]) -> None
     assert counts["predict_overflow"] == {"predicted": 0, "promoted": 0}
     assert counts["insert_overflow_checks"]["sites"] > 0
     assert with_checks == without
+
+
+class _Attention(nn.Module):
+    """An RMS norm written out (with its affine weight, as T5's and Llama's), attention written out,
+    and the look-alikes that are not bounded: a value scaled by a parameter without a norm, and
+    softmax weights contracted over the dimension they do not sum to 1 along."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.norm_weight, self.gain = nn.Parameter(torch.ones(d)), nn.Parameter(torch.ones(d))
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))  # mul#0, mul#1
+        g = self.gain * x  # mul#2
+        q, k, v = self.q(h), self.k(h), self.v(g)
+        w = F.softmax((q @ k.transpose(-1, -2)).float(), dim=-1).type_as(q)  # matmul#0
+        return self.o(w @ v + w.transpose(-1, -2) @ v)  # matmul#1, matmul#2
+
+
+def test_values_that_cannot_overflow_first_are_not_watched() -> None:
+    """A normalized value cast into float16 (an RMS norm written out, its affine weight applied
+    apart) and attention's weighted average of ``v`` (``softmax(s) @ v``) cannot overflow while
+    what they are computed from is finite, and that is watched: no check of their own. What merely
+    looks like them is watched."""
+    model = _Attention()
+    install_state(model)
+    (gm, example), = capture(model, torch.randn(2, 8, 64))
+    seed_inputs(gm, example)
+    run_stage(gm, Config(verify=True).resolved(torch.device("cpu")), "dynamo", PIPELINE)
+    watched = {site.key for site in gm.meta[SITES_KEY]}
+    assert not {":mul#1@float16", ":matmul#1"} & watched, watched
+    assert {":mul#2@float16", ":matmul#0", ":matmul#2", "q:linear#0", "v:linear#0"} <= watched, watched
 
 
 # ---------------------------------------------------------------------------- run time
