@@ -12,8 +12,9 @@ run time. This pass puts ``autoscale.ops.watch(x, peaks, slot)`` after
   residual stream cast for the next GEMM, an unnormalized input), but a parameter's (a weight
   that grows overflows the GEMM it feeds first, which is watched) and a normalization's output
   predicted far inside the range (``_normalized``: a norm op, or an RMS norm written out as T5's
-  and Llama's are, with its affine weight). The check reads the float32 source, so it sees the
-  magnitude the cast loses;
+  and Llama's are, with its affine weight), and a float16 value's elements cast back from float32
+  (``_narrowed_back``). The check reads the float32 source, so it sees the magnitude the cast
+  loses;
 * every op kept in float32 because of forward overflow, and the graph's float outputs, but an
   output that only widens a watched value (the float32 logits of a float16 head GEMM, through its
   scale point): that value's check is marked as the output's instead, as a second check would read
@@ -65,7 +66,7 @@ from .graph_utils import (
     tensor_val,
 )
 from .manager import PassResult
-from .op_tables import BOUNDED, FIXED, NORMALIZATIONS, Category, category_of
+from .op_tables import BOUNDED, FIXED, NORMALIZATIONS, VIEWS, Category, category_of
 from .predict_overflow import PEAKS_INPUT_KEY
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ def _site(n: Node, cfg: Config, is_output: bool) -> tuple[str, SiteKind, str, No
         source, dtype = cast
         parameter = source.op == "placeholder" and getattr(tensor_val(source), "requires_grad", False)
         if (dtype == cfg.dtype and float_dtype(source) == torch.float32 and KEY in source.meta and not parameter
-                and not _normalized(source, cfg)):
+                and not _normalized(source, cfg) and not _narrowed_back(source, cfg)):
             return source.meta[KEY] + CAST_SUFFIX, "cast", f"cast into {dtype_name(dtype)}", source, source
     if is_output and float_dtype(n) != cfg.dtype and (keyed := _keyed(n)) is not None:
         # an output in float32: where a non-finite value reaches the loss, whatever computed it
@@ -185,6 +186,23 @@ def _normalized(source: Node, cfg: Config) -> bool:
             return False
         n = n.args[0] if n.args else None
     return False
+
+
+def _narrowed_back(source: Node, cfg: Config) -> bool:
+    """Whether the float32 ``source`` holds only values of a float16 value, through data movement
+    (``op_tables.VIEWS``, copies, casts) and ops never larger than their input (``BOUNDED``): cast
+    back into float16 it cannot overflow, and a non-finite value in it was one in the float16 value,
+    named where that was made (RoPE's ``rotate_half`` of a float16 query, computed in float32 next to
+    float32 sines)."""
+    n: object = source
+    while isinstance(n, Node) and n.op in ("call_function", "call_method") and n.args:
+        if float_dtype(n) == cfg.dtype:
+            return True
+        name = op_name(n) or ""
+        if not (name in VIEWS or name in BOUNDED or name in _SAME_VALUES or n.target is rescale):
+            return False
+        n = n.args[0]
+    return isinstance(n, Node) and float_dtype(n) == cfg.dtype
 
 
 def _values_of(x: object) -> object:

@@ -106,7 +106,7 @@ BOUNDED: Final = frozenset({
     "gelu", "silu", "mish", "tanh", "sigmoid", "hardsigmoid", "hardswish", "elu", "celu", "leaky_relu", "rrelu",
     "glu", "logsigmoid", "softsign", "tanhshrink", "sin", "cos", "erf", "erfc", "atan", "sign", "avg_pool1d",
     "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
-    "_adaptive_avg_pool2d", "pixel_shuffle", "pixel_unshuffle",
+    "_adaptive_avg_pool2d", "pixel_shuffle", "pixel_unshuffle", "neg",
 })
 
 CLEAR: Final = frozenset({
