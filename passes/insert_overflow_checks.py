@@ -5,9 +5,10 @@ run time. This pass puts ``autoscale.ops.watch(x, peaks, slot)`` after
 
 * every float16 GEMM/convolution output and every float16 elementwise result that can grow
   (allow and infer ops, but the ``op_tables.BOUNDED`` ones such as GELU or tanh, which are never
-  larger than their input, and attention's ``softmax(scores) @ v``, each element a weighted average
-  of ``v``'s, which a finite float16 ``v`` bounds (``_weighted_average``); data movement only moves
-  values, and a masked fill with -inf is not an overflow);
+  larger than their input, and attention's output, ``softmax(scores) @ v`` or
+  ``scaled_dot_product_attention``, each element a weighted average of ``v``'s, which a finite
+  float16 ``v`` bounds (``_weighted_average``); data movement only moves values, and a masked fill
+  with -inf is not an overflow);
 * every cast of a float32 value into float16 (the rounding itself can overflow: a float32
   residual stream cast for the next GEMM, an unnormalized input), but a parameter's (a weight
   that grows overflows the GEMM it feeds first, which is watched) and a normalization's output
@@ -156,7 +157,7 @@ def _site(n: Node, cfg: Config, is_output: bool) -> tuple[str, SiteKind, str, No
     name = op_name(n) or ""
     category = category_of(name, cfg.op_overrides)
     if float_dtype(n) == cfg.dtype:
-        grows = category in _GROWS and name not in BOUNDED and not _weighted_average(n)
+        grows = category in _GROWS and name not in BOUNDED and not _weighted_average(n, cfg)
         return (key, "float16", f"{category.value} op in {dtype_name(cfg.dtype)}", n, n) if grows else None
     reason = n.meta.get(PROVENANCE_KEY, {}).get("reason", "")
     if reason.startswith(OVERFLOW_REASON):  # kept in float32 by convert_precision, for forward overflow
@@ -256,12 +257,20 @@ def _scaled_by_parameter(n: Node) -> Node | None:
     return None
 
 
-def _weighted_average(n: Node) -> bool:
-    """Whether ``n`` is ``softmax(s, dim=-1) @ v`` (through casts): each element of its output a
-    weighted average of a column of ``v`` (weights >= 0 summing to 1, up to their rounding: 2^-12
-    at most), so a finite float16 ``v`` keeps it finite, and a ``v`` near 65504 is itself watched.
-    (A softmax's own non-finite values, a fully masked row's, are named by its cast into float16.)"""
+def _weighted_average(n: Node, cfg: Config) -> bool:
+    """Whether ``n`` is attention's output: ``softmax(s, dim=-1) @ v`` written out (through casts),
+    or ``scaled_dot_product_attention`` without a dropout that could lift it past ``v``'s alarm.
+    Each element of its output is a weighted average of a column of ``v`` (weights >= 0 summing to
+    1, up to their rounding: 2^-12 at most; a dropout of rate p scales them by 1/(1-p)), so a finite
+    float16 ``v`` keeps it finite, and a ``v`` near 65504 is itself watched. Every backend of
+    ``scaled_dot_product_attention`` computes its scores in float32 (the math one too, unless
+    ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``), so they do not overflow on
+    the way. (A softmax's own non-finite values, a fully masked row's, are named by its cast into
+    float16.)"""
     args = op_args(n)
+    if op_name(n) == "scaled_dot_product_attention":
+        p = args[4] if len(args) > 4 else n.kwargs.get("dropout_p", 0.0)
+        return isinstance(p, int | float) and (p == 0 or p < 1 - cfg.overflow.threshold)
     if op_name(n) not in _AVERAGING or len(args) < 2:
         return False
     weights = _values_of(args[0])

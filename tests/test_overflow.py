@@ -167,8 +167,9 @@ def test_models_without_overflow_are_unchanged(case: Callable[..., Any]) -> None
 class _Attention(nn.Module):
     """An RMS norm written out (with its affine weight, as T5's and Llama's), rotary embeddings
     computed in float32 (as Llama's), attention written out, and the look-alikes that are not
-    bounded: a value scaled by a parameter without a norm, a sum of two rotated values, and softmax
-    weights contracted over the dimension they do not sum to 1 along."""
+    bounded: a value scaled by a parameter without a norm, a sum of two rotated values, softmax
+    weights contracted over the dimension they do not sum to 1 along, and attention with a dropout
+    that can lift its output above the alarm of ``v``'s."""
 
     def __init__(self, d: int = 64) -> None:
         super().__init__()
@@ -182,23 +183,24 @@ class _Attention(nn.Module):
         angle = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * torch.ones(x.shape[-1])
         q = q * angle.cos() + torch.cat((-q[..., 32:], q[..., :32]), -1) * angle.sin()  # neg#0, add#1
         w = F.softmax((q @ k.transpose(-1, -2)).float(), dim=-1).type_as(q)  # matmul#0
-        return self.o(w @ v + w.transpose(-1, -2) @ v)  # matmul#1, matmul#2
+        fused = F.scaled_dot_product_attention(q, k, v) + F.scaled_dot_product_attention(q, k, v, dropout_p=0.6)
+        return self.o(w @ v + w.transpose(-1, -2) @ v + fused)  # matmul#1, matmul#2
 
 
 def test_values_that_cannot_overflow_first_are_not_watched() -> None:
     """A normalized value cast into float16 (an RMS norm written out, its affine weight applied
     apart), a float16 value's elements negated in float32 and cast back (RoPE's ``rotate_half``),
-    and attention's weighted average of ``v`` (``softmax(s) @ v``) cannot overflow while what they
-    are computed from is finite, and that is watched: no check of their own. What merely looks
-    like them is watched."""
+    and attention's weighted average of ``v`` (``softmax(s) @ v``, ``scaled_dot_product_attention``)
+    cannot overflow while what they are computed from is finite, and that is watched: no check of
+    their own. What merely looks like them is watched."""
     model = _Attention()
     install_state(model)
     (gm, example), = capture(model, torch.randn(2, 8, 64))
     seed_inputs(gm, example)
     run_stage(gm, Config(verify=True).resolved(torch.device("cpu")), "dynamo", PIPELINE)
     watched = {site.key for site in gm.meta[SITES_KEY]}
-    assert not {":mul#1@float16", ":neg#0@float16", ":matmul#1"} & watched, watched
-    looks_alike = {":mul#2@float16", ":add#1@float16", ":matmul#2"}
+    assert not {":mul#1@float16", ":neg#0@float16", ":matmul#1", ":scaled_dot_product_attention#0"} & watched, watched
+    looks_alike = {":mul#2@float16", ":add#1@float16", ":matmul#2", ":scaled_dot_product_attention#1"}
     assert looks_alike | {":matmul#0", "q:linear#0", "v:linear#0"} <= watched, watched
 
 
