@@ -200,7 +200,7 @@ def _narrowed_back(source: Node, cfg: Config) -> bool:
         if float_dtype(n) == cfg.dtype:
             return True
         name = op_name(n) or ""
-        if not (name in VIEWS or name in BOUNDED or name in _SAME_VALUES or n.target is rescale):
+        if name not in VIEWS and name not in BOUNDED and name not in _SAME_VALUES:  # (VIEWS has rescale)
             return False
         n = n.args[0]
     return isinstance(n, Node) and float_dtype(n) == cfg.dtype
