@@ -4,7 +4,9 @@ The statistics tensor has one row per layer and the columns ``STAT`` names. A po
 scaled output and *one number* that says all a step needs of it (``Measured.value``: the largest
 magnitude at unit scale, or a mark for a non-finite value that arrived or that the scaling made),
 and hands it to :func:`record` with the cells it goes to and what each cell takes of it (``MODES``):
-``stats`` comes back with each value folded into its cell, by max or by sum.
+``stats`` comes back with each value folded into its cell, by max or by sum. The point hands the
+number over unread, as its gradient's largest magnitude and the scales that say what it means
+(``Measured``): the fold reads it (``reading``), for all of a graph's points at once.
 
 Why one number: compiled, every recorded scalar is a buffer of its own, which the backward's
 wrapper allocates or aliases in Python at every step, and whose ``omp single`` block in the
@@ -39,7 +41,8 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "LOSS_ROW", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM",
-           "Measured", "fold", "point_backward", "record", "rescaled", "scale_and_measure", "set_scale", "taken"]
+           "Measured", "fold", "point_backward", "reading", "record", "rescaled", "scale_and_measure", "set_scale",
+           "taken"]
 
 aten = torch.ops.aten
 
@@ -58,9 +61,10 @@ ANY_NONFINITE = STAT["amax"]
 """The cell of row 0 (the loss scale's, which no rule moves and no point measures) that holds
 whether any point saw a non-finite value: ``GradScaler.step`` reads this one value (flat index)."""
 
-# What a cell takes of a recorded value (``MODES``). A point's value (``Measured.value``) is its
-# gradient's largest magnitude at unit scale, +inf or nan when a value arrived non-finite, and -1
-# when the point's scaling made a finite value overflow. The modes read it as:
+# What a cell takes of a recorded value (``MODES``). A point's value (``Measured.value``, what
+# ``reading`` makes of its peak) is its gradient's largest magnitude at unit scale, +inf or nan when
+# a value arrived non-finite, and -1 when the point's scaling made a finite value overflow. The
+# modes read it as:
 MAX = 0  # the value, combined by max (nan kept: the forward's peaks)
 SUM = 1  # the value, summed (counts, moments)
 PEAK = 2  # the largest magnitude: the value where it is one (>= 0 and finite), else 0; max
@@ -71,6 +75,20 @@ BAD = 5  # 1 if either, else 0; max
 Call = Callable[..., Any]
 """How a mode's reading is computed: ``call(aten_op, *args, **kwargs)`` runs the op (``fold``) or
 adds it to a graph (``passes/batch_records.py``), so that both read a value from one definition."""
+
+
+def reading(call: Call, peak: Any, unit: Any, scale: Any, bound: Any) -> Any:
+    """A point's value from what it measured (``Measured``): ``v = peak / unit``, its peak at unit
+    scale, or -1 where ``v`` is finite and ``v · scale``, its peak at the scale of the point's
+    output, is not below ``bound`` (the output overflowed, in float32 too: ``bound`` is then inf).
+    Exact, the scales being powers of two: ``v · scale`` is ``peak · scale / unit``. Computed in the
+    fold, for all of a graph's points at once, not by each point: there it was 7 ops on a 0-dim
+    value per point, which every compile stage paid for (a 1+1-layer T5's backward: 1,628 ATen
+    nodes, 563 of them 0-dim)."""
+    v = call(aten.div.Tensor, peak, unit)
+    fits = call(aten.bitwise_or.Tensor, call(aten.lt.Tensor, call(aten.mul.Tensor, v, scale), bound),
+                call(aten.logical_not.default, call(aten.lt.Scalar, v, math.inf)))
+    return call(aten.where.ScalarOther, fits, v, -1.0)
 
 
 def _peak_ok(call: Call, v: Any) -> Any:
@@ -94,14 +112,25 @@ MODES: dict[int, tuple[str, Callable[[Call, Any], Any]]] = {
 """Per mode: how its cell combines values ("max" or "sum"), and what it takes of a value."""
 
 
+def _eager(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A ``Call`` that runs the op."""
+    return op(*args, **kwargs)
+
+
 def taken(mode: int, values: torch.Tensor) -> torch.Tensor:
     """What cells of ``mode`` take of ``values`` (``MODES``), computed eagerly."""
-    out: torch.Tensor = MODES[mode][1](lambda op, *args, **kwargs: op(*args, **kwargs), values)
+    out: torch.Tensor = MODES[mode][1](_eager, values)
     return out
 
 
 class Measured(NamedTuple):
     """What a rescale point measures of the gradient it rescales, as 0-dim float32 tensors.
+
+    ``peak``: the gradient's largest magnitude at the scale ``unit`` (None: 1), nan or inf when a
+    value is not finite. Where the point's output could overflow, ``scale`` is the scale it leaves
+    with and ``bound`` the magnitude at which its dtype overflows (``_overflow_threshold``): then it
+    did iff ``peak / unit · scale ≥ bound``. ``value`` reads them as the point's one number
+    (``reading``); the fold does so for all points at once.
 
     ``value``: the largest magnitude at unit scale; +inf or nan when a value arrived non-finite
     (which the point blames on the scale the gradient arrived with); -1 when the rescale made a
@@ -110,18 +139,30 @@ class Measured(NamedTuple):
     skipped, so its largest magnitude is not needed. And, when asked for, Σ g and Σ g² at unit
     scale (``total``, ``squares``) and the count of exact zeros (``zeros``)."""
 
-    value: torch.Tensor
+    peak: torch.Tensor
+    unit: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    bound: float = math.inf
     total: torch.Tensor | None = None
     squares: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
 
+    @property
+    def value(self) -> torch.Tensor:
+        """The point's one number (``reading``), computed eagerly."""
+        one = torch.ones((), device=self.peak.device)
+        out: torch.Tensor = reading(_eager, self.peak, one if self.unit is None else self.unit,
+                                    one if self.scale is None else self.scale, torch.full_like(one, self.bound))
+        return out
+
     @staticmethod
     def from_stats(stats: torch.Tensor, *, leaving: bool) -> Measured:
-        """From the fused op's statistics (float64, laid out as ``autoscale.kernels.reference.STATS``)."""
+        """From the fused op's statistics (float64, laid out as ``autoscale.kernels.reference.STATS``):
+        a value already read (no ``unit``, no ``bound``)."""
         amax, total, squares, arrived, _, zeros, made, _ = stats.float().unbind()
         made_mark = math.inf if leaving else -1.0
         value = torch.where(arrived > 0, math.inf, torch.where(made > 0, made_mark, amax))
-        return Measured(value, total, squares, zeros)
+        return Measured(value, total=total, squares=squares, zeros=zeros)
 
 
 def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
@@ -132,7 +173,7 @@ def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Te
 
     By default, plain torch that Inductor fuses into the kernel of the backward op next to it,
     computing only what is asked for: one reduction, ``max |g|``, which carries inf and nan
-    through, and from which the value follows. On CUDA with ``fused``, the fused Triton kernel
+    through, and from which the fold reads the value. On CUDA with ``fused``, the fused Triton kernel
     (imported on first use: ``import autoscale`` stays triton-free): one pass, but a launch of its
     own and one that zeroes its statistics, which a launch-bound step pays for
     (docs/results/overhead_cuda.md).
@@ -166,21 +207,20 @@ def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Te
     magnitude = measured.abs()
     # (amax carries them through: a nan anywhere makes the peak nan, an inf makes it inf)
     peak = magnitude.amax() if g.numel() else torch.zeros((), device=g.device)
-    value = peak / unit_scale
+    bound = math.inf
     if not leaving:
+        # a finite value overflows under ``factor`` iff the largest one does: the fold reads that
+        # from the peak (``reading``), in float32 too
         bound = _overflow_threshold(grad.dtype)
-        # a finite value overflows under ``factor`` iff the largest one does; a non-finite peak
-        # keeps its mark (it arrived so)
-        value = torch.where((peak * factor.float() < bound) | ~(peak < math.inf), value, -1.0)
         # (``keep``, always 0: reading the peak makes the reduction an ancestor of ``out``, which
         # Inductor then writes in place; see above)
         keep = torch.where(peak < 0.0, peak, 0.0)
         out = torch.where(scaled.abs() < bound, scaled, keep).to(grad.dtype)
-    unit = torch.where(magnitude < math.inf, measured, 0.0) / unit_scale if moments else None
+    at_unit = torch.where(magnitude < math.inf, measured, 0.0) / unit_scale if moments else None
     return out, Measured(
-        value=value,
-        total=unit.sum() if unit is not None else None,
-        squares=(unit * unit).sum() if unit is not None else None,
+        peak, unit_scale, None if leaving else scale.float(), bound,
+        total=at_unit.sum() if at_unit is not None else None,
+        squares=(at_unit * at_unit).sum() if at_unit is not None else None,
         zeros=(measured == 0).sum(dtype=torch.int32).float() if zeros else None,
     )
 
@@ -268,27 +308,34 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     values: list[torch.Tensor] = []
     cells: list[int] = []
     modes: list[int] = []
+    units: list[torch.Tensor | None] = []
+    limits: list[torch.Tensor | None] = []
+    bounds: list[float] = []
 
     def put(row: int, column: str, value: torch.Tensor, mode: int) -> None:
+        read = value is m.peak  # (the point's one number: read from its peak, in the fold)
         values.append(value)
         cells.append(row * NUM_STATS + STAT[column])
         modes.append(mode)
+        units.append(m.unit if read else None)
+        limits.append(m.scale if read else None)
+        bounds.append(m.bound if read else math.inf)
 
     # (an unscale point's rows are its in_rows only: what the unscale made, its value marks as arrived)
     blamed = dict.fromkeys(in_rows, ARRIVED)
     if not unscale:
         blamed.update({row: BAD if row in blamed else MADE for row in out_rows})
     for row, mode in blamed.items():
-        put(row, "nonfinite", m.value, mode)
+        put(row, "nonfinite", m.peak, mode)
     if blamed:  # (and the step's one overflow flag: ``ANY_NONFINITE``, row 0's amax cell)
-        put(0, "amax", m.value, BAD)
+        put(0, "amax", m.peak, BAD)
     if record_rows:
         # (numel as a SymInt, not float(): that would specialize a dynamic batch size to its first value)
         elements = (torch.full((), grad.numel(), dtype=torch.float32, device=grad.device)
                     if moments or unscale else None)
         for row in record_rows:
             if row != 0:  # (row 0's amax cell is ``ANY_NONFINITE``)
-                put(row, "amax", m.value, PEAK)
+                put(row, "amax", m.peak, PEAK)
             if moments:
                 assert m.total is not None and m.squares is not None
                 put(row, "sum", m.total, SUM)
@@ -299,7 +346,7 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
                 put(row, "zeros", m.zeros, SUM)
                 put(row, "numel", elements, SUM)  # type: ignore[arg-type]
     if values:
-        stats.copy_(record(stats, values, cells, modes))
+        stats.copy_(record(stats, values, cells, modes, units, limits, bounds))
     return out
 
 
@@ -314,15 +361,24 @@ def rescaled(grad: torch.Tensor, scales: torch.Tensor, out_rows: tuple[int, ...]
     return (grad.to(wide) * factor.to(wide)).to(grad.dtype)
 
 
-def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[int], modes: Sequence[int]
-         ) -> torch.Tensor:
-    """``stats`` with what ``modes[j]`` takes of ``values[j]`` folded into the flat cell
-    ``cells[j]``, by the mode's combine (``MODES``). The meaning of ``record``; everything a mode
+def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[int], modes: Sequence[int],
+         units: Sequence[torch.Tensor | None] | None = None, scales: Sequence[torch.Tensor | None] | None = None,
+         bounds: Sequence[float] | None = None) -> torch.Tensor:
+    """``stats`` with what ``modes[j]`` takes of value j folded into the flat cell ``cells[j]``, by
+    the mode's combine (``MODES``). Value j is ``values[j]`` as ``reading`` reads it with
+    ``units[j]``, ``scales[j]`` and ``bounds[j]`` (a None unit or scale: 1; no bounds: inf, which
+    with a scale of 1 reads a value as it is). The meaning of ``record``; everything a mode
     combines by max is non-negative (so a cell nothing reaches keeps its value)."""
     flat = stats.reshape(-1).clone()
     if not values:
         return flat.view_as(stats)
-    v = torch.stack([x.reshape(()).to(flat.dtype) for x in values])
+    one = torch.ones((), dtype=flat.dtype, device=flat.device)
+
+    def stacked(xs: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
+        return torch.stack([(one if x is None else x.reshape(()).to(flat.dtype)) for x in (xs or [None] * len(values))])
+
+    limits = torch.tensor(list(bounds or [math.inf] * len(values)), dtype=flat.dtype, device=flat.device)
+    v = reading(_eager, stacked(values), stacked(units), stacked(scales), limits)
     index = torch.tensor(list(cells), device=flat.device)
     for mode in sorted(set(modes)):
         chosen = torch.tensor([m == mode for m in modes], device=flat.device)
@@ -334,12 +390,15 @@ def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[in
 
 
 @torch.library.custom_op("autoscale::record", mutates_args=())
-def record(stats: torch.Tensor, values: list[torch.Tensor], cells: list[int], modes: list[int]) -> torch.Tensor:
-    """``fold(stats, values, cells, modes)`` as one op: a point's measurements, which
-    ``passes/batch_records.py`` gathers with the graph's other points into one fold."""
-    return fold(stats, values, cells, modes)
+def record(stats: torch.Tensor, values: list[torch.Tensor], cells: list[int], modes: list[int],
+           units: list[torch.Tensor | None], scales: list[torch.Tensor | None], bounds: list[float]) -> torch.Tensor:
+    """``fold(stats, values, cells, modes, units, scales, bounds)`` as one op: a point's
+    measurements, which ``passes/batch_records.py`` gathers with the graph's other points into one
+    fold."""
+    return fold(stats, values, cells, modes, units, scales, bounds)
 
 
 @record.register_fake
-def _(stats: torch.Tensor, values: list[torch.Tensor], cells: list[int], modes: list[int]) -> torch.Tensor:
+def _(stats: torch.Tensor, values: list[torch.Tensor], cells: list[int], modes: list[int],
+      units: list[torch.Tensor | None], scales: list[torch.Tensor | None], bounds: list[float]) -> torch.Tensor:
     return torch.empty_like(stats)

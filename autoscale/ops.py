@@ -30,6 +30,7 @@ the scaler's ``peaks`` (``passes/insert_overflow_checks.py``).
 from __future__ import annotations
 
 import functools
+import math
 import importlib
 from typing import Any, NamedTuple
 
@@ -120,7 +121,7 @@ def watch(x: torch.Tensor, peaks: torch.Tensor, slot: int) -> None:
     if x.numel() == 0:
         return
     peak = x.detach().float().abs().amax()
-    peaks.copy_(record(peaks, [peak], [slot], [MAX]))
+    peaks.copy_(record(peaks, [peak], [slot], [MAX], [None], [None], [math.inf]))
 
 
 def identity_output(x: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,10 @@ Each rescale point's backward records its measurements with one ``autoscale::rec
 (``autoscale.measure``), and writes the result back into the statistics tensor, a graph input.
 In AOTAutograd's joint graph that is a chain through the tensor — ``record``, ``copy``, ``record``,
 ``copy``, ... — ending in the ``copy_`` into the input. This pass replaces each such chain by one
-fold at its end: the points' values concatenated, what each cell's mode takes of them computed
-for the whole vector at once (``autoscale.measure.MODES``: the flags a point's one number marks),
+fold at its end: the points' values concatenated, each read against the scales it was measured at
+and leaves with (``autoscale.measure.reading``: a peak at unit scale, or the mark of an overflow the
+point's scaling made), what each cell's mode takes of them computed for the whole vector at once
+(``autoscale.measure.MODES``: the flags a point's one number marks),
 gathered per cell with a constant index plan, reduced (max or sum, as each cell combines) and
 written into their cells with one ``index_put`` per kind. The result is the same as folding point
 by point: every point's values are computed before the end of the chain, each cell is combined
@@ -17,21 +19,24 @@ Why: folded point by point, each update was a few ops over the whole tensor, whi
 rewrote in full at every point; on a 1+1-layer T5 the statistics were 3,000 of its backward's
 4,000 nodes and about 23 s of an 80 s compile. Batched, they are ~20 nodes per graph.
 
-A chain this pass does not recognize (an intermediate value read elsewhere) is left as it is:
-``record`` then runs as an op of its own, and computes the same.
+A chain this pass does not recognize (an intermediate value read elsewhere, a unit or scale that is
+not a set of rows' scale) is left as it is: ``record`` then runs as an op of its own, and computes
+the same. The pass runs before ``batch_row_reads``: a point's unit and scale are still its
+``set_scale`` reads, whose rows say which scales to read.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from autoscale.measure import MODES
+from autoscale.measure import LOSS_ROW, MODES, reading, set_scale
 
 from .graph_utils import new_constant, new_fake_call, provenance
 from .manager import PassResult
@@ -65,13 +70,19 @@ def batch_records(gm: GraphModule, cfg: Config) -> PassResult:
         if found is None:
             continue
         records, dead = found
-        values = [v for r in records for v in _seq(r.args[1])]
+        # (value, unit, scale, bound): what ``reading`` reads, per recorded value
+        readings = [_Reading(*parts) for r in records
+                    for parts in zip(*(_seq(a) for a in (r.args[1], r.args[4], r.args[5], r.args[6])), strict=True)]
         cells = [int(c) for r in records for c in _seq(r.args[2])]
         modes = [int(m) for r in records for m in _seq(r.args[3])]
         if len({(c, MODES[m][0]) for c, m in zip(cells, modes, strict=True)}) != len(set(cells)):
             continue  # (a cell combined both ways: the order would matter; points never record so)
+        readable, scales = _scales_read(readings)
+        if not readable:
+            continue  # (a unit or scale that is not a set of rows' scale: points never record so)
         with graph.inserting_before(end):
-            folded = _Builder(gm, fake_mode, f"_autoscale_records_{chains}").fold(stats, values, cells, modes)
+            build = _Builder(gm, fake_mode, f"_autoscale_records_{chains}")
+            folded = build.fold(stats, scales, readings, cells, modes)
         end.update_arg(1, folded)
         for node in reversed(dead):  # users before their inputs
             graph.erase_node(node)
@@ -112,6 +123,15 @@ def _chain(value: Any, stats: Node) -> tuple[list[Node], list[Node]] | None:
     return records, dead
 
 
+class _Reading(NamedTuple):
+    """One recorded value and how ``reading`` reads it (``autoscale.measure.record``'s arguments)."""
+
+    value: Node
+    unit: Node | None
+    scale: Node | None
+    bound: float
+
+
 class _Builder:
     """Creates the fold's ATen nodes at the graph's insert point, with their fake values."""
 
@@ -119,44 +139,69 @@ class _Builder:
         self.gm, self.graph, self.fake_mode, self.prefix = gm, gm.graph, fake_mode, prefix
         self.constants = 0
 
-    def fold(self, stats: Node, values: Sequence[Node], cells: Sequence[int], modes: Sequence[int]) -> Node:
-        """The points' values in one vector (a point's number, and its constants: an element
-        count is known when the graph is compiled), what each mode takes of it side by side
-        (``MODES``), then per combine one gather, one reduction and one ``index_put``."""
-        shape = list(stats.meta["val"].shape)
+    def fold(self, stats: Node, scales: Node | None, readings: Sequence[_Reading], cells: Sequence[int],
+             modes: Sequence[int]) -> Node:
+        """The points' values in one vector, read (``reading``) against the ``scales`` their units
+        and limits are sets of, what each mode takes of it side by side (``MODES``), then per
+        combine one gather, one reduction and one ``index_put``."""
         device = stats.meta["val"].device
-        unique = list(dict.fromkeys(values))  # (a point records one value in several cells)
-        known = {v: _constant(v) for v in unique}
-        computed = [v for v in unique if known[v] is None]
-        constant = [v for v in unique if known[v] is not None]
-        order = computed + constant
-        pieces = [self.call(aten.view.default, (v, [1])) for v in computed]
-        # the constants, then a 0 (the padding's: every mode takes 0 of it)
-        pieces.append(self.constant([known[v] for v in constant] + [0.0], device, dtype=torch.float32))
-        vector = self.call(aten.cat.default, (pieces,))
-        width = len(order) + 1
-        position = {v: j for j, v in enumerate(order)}
+        # (a point records one value in several cells; the computed values first: ``read``)
+        unique = sorted(dict.fromkeys(readings), key=lambda r: _constant(r.value) is not None)
+        vector = self.read(unique, scales, device)
+        width = len(unique) + 1  # (and a 0, the padding's: every mode takes 0 of it)
+        position = {r: j for j, r in enumerate(unique)}
         flat = self.call(aten.view.default, (stats, [-1]))
         for combine, (reduce, joined) in _COMBINES.items():
             used = sorted({m for m in modes if MODES[m][0] == combine})
             if not used:
                 continue
             block = {m: b for b, m in enumerate(used)}
-            taken = [MODES[m][1](lambda op, *args, **kwargs: self.call(op, args, kwargs), vector) for m in used]
-            readings = taken[0] if len(taken) == 1 else self.call(aten.cat.default, (taken,))
+            taken = [MODES[m][1](self.op, vector) for m in used]
+            taken_all = taken[0] if len(taken) == 1 else self.call(aten.cat.default, (taken,))
             by_cell: dict[int, list[int]] = defaultdict(list)
-            for value, cell, m in zip(values, cells, modes, strict=True):
+            for r, cell, m in zip(readings, cells, modes, strict=True):
                 if m in block:
-                    by_cell[cell].append(block[m] * width + position[value])
+                    by_cell[cell].append(block[m] * width + position[r])
             targets = sorted(by_cell)
             most = max(len(js) for js in by_cell.values())
-            plan = [by_cell[c] + [len(order)] * (most - len(by_cell[c])) for c in targets]
+            plan = [by_cell[c] + [len(unique)] * (most - len(by_cell[c])) for c in targets]
             where = self.constant(targets, device)
-            gathered = self.call(aten.index.Tensor, (readings, [self.constant(plan, device)]))
+            gathered = self.call(aten.index.Tensor, (taken_all, [self.constant(plan, device)]))
             reduced = self.call(reduce, (gathered, [1]))
             current = self.call(aten.index.Tensor, (flat, [where]))
             flat = self.call(aten.index_put.default, (flat, [where], self.call(joined, (current, reduced))))
-        return self.call(aten.view.default, (flat, shape))
+        return self.call(aten.view.default, (flat, list(stats.meta["val"].shape)))
+
+    def read(self, readings: Sequence[_Reading], scales: Node | None, device: torch.device) -> Node:
+        """Each reading's value (``reading``), and a 0 after them, as one vector. The values side by
+        side: the computed ones, then (``readings`` orders them so) the numbers a graph says they
+        always are (``_constant``: an element count). Their units and limits from ``scales``
+        directly, each set's largest for all readings at once (``largest``), not from the points'
+        reads of the sets: those would be a piece each of another concatenation, where the
+        readings' rows are one constant mask."""
+        known = [_constant(r.value) for r in readings]
+        pieces = [self.call(aten.view.default, (r.value, [1])) for r, k in zip(readings, known, strict=True) if k is None]
+        pieces.append(self.constant([*(k for k in known if k is not None), 0.0], device, dtype=torch.float32))
+        vector = self.call(aten.cat.default, (pieces,))
+        if all(r.unit is None and r.scale is None for r in readings):  # (the values as they are)
+            return vector
+        return reading(self.op, vector, self.largest(scales, [_rows(r.unit) for r in readings], device),
+                       self.largest(scales, [_rows(r.scale) for r in readings], device),
+                       self.constant([*(r.bound for r in readings), math.inf], device, dtype=torch.float32))
+
+    def largest(self, scales: Node | None, sets: Sequence[tuple[int, ...]], device: torch.device) -> Node:
+        """Per set of rows, and for a last set of none, the largest of its scales (1 for none: the
+        loss row's, ``LOSS_ROW``), as ``autoscale.measure.set_scale`` reads one: a masked maximum."""
+        if scales is None:  # (every set is none)
+            return self.constant([1.0] * (len(sets) + 1), device, dtype=torch.float32)
+        rows = scales.meta["val"].shape[0]
+        mask = [[r in (s or (LOSS_ROW,)) for r in range(rows)] for s in [*sets, ()]]
+        chosen = self.call(aten.where.ScalarOther, (self.constant(mask, device), scales, 0.0))
+        return self.call(aten.amax.default, (chosen, [1]))
+
+    def op(self, target: Any, *args: Any, **kwargs: Any) -> Node:
+        """A ``Call`` (``autoscale.measure``) that adds the op to the graph."""
+        return self.call(target, args, kwargs)
 
     def call(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Node:
         node = new_fake_call(self.graph, self.fake_mode, target, args, kwargs)
@@ -172,9 +217,28 @@ class _Builder:
         return self.call(aten.lift_fresh_copy.default, (attr,))
 
 
+def _scales_read(readings: Sequence[_Reading]) -> tuple[bool, Node | None]:
+    """Whether every unit and scale of ``readings`` is a set of rows' largest scale (``_rows``), and
+    the scales tensor they read (None if they read none: they are all 1)."""
+    parts = {p for r in readings for p in (r.unit, r.scale) if p is not None and _constant(p) != 1.0}
+    sources = {p.args[0] for p in parts if p.target is set_scale}
+    if len(sources) > 1 or any(p.target is not set_scale for p in parts):
+        return False, None
+    source = sources.pop() if sources else None
+    return source is None or isinstance(source, Node), source if isinstance(source, Node) else None
+
+
+def _rows(part: Node | None) -> tuple[int, ...]:
+    """The rows whose largest scale ``part`` is (``_scales_read``): none (1) for None or a 1."""
+    return () if part is None or part.target is not set_scale else tuple(_seq(part.args[1]))
+
+
 def _constant(value: Node) -> float | None:
-    """The number a recorded value always is, if the graph says so: a ``full`` of a constant (a
-    parameter's element count; a count that depends on a dynamic size is a symbol, not a number)."""
+    """The number a recorded value, unit or scale always is, if the graph says so: a ``full`` of a
+    constant (a parameter's element count; a count that depends on a dynamic size is a symbol, not
+    a number), or a ``ones`` (the unit of a point next to the loss, ``autoscale.measure._max_of``)."""
     if value.target is aten.full.default and isinstance(value.args[1], (int, float)):
         return float(value.args[1])
+    if value.target is aten.ones.default:
+        return 1.0
     return None

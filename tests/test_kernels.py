@@ -103,6 +103,17 @@ def test_cpu_path_measures_what_the_reference_counts(size: int, data: st.DataObj
     assert torch.equal(lean.value, m.value) or (lean.value.isnan() and m.value.isnan())
 
 
+def test_a_float32_gradient_scaled_past_its_range_reads_as_made() -> None:
+    """A float32 gradient the point's factor lifts past float32's range (a gradient of the loss
+    scaled by 1e38) overflowed at the point: its value reads as "made", as the oracle counts it."""
+    grad, f, c = torch.tensor([1e37, -2.0]), torch.tensor(2.0**10), torch.tensor(2.0**-3)
+    out, m = scale_and_measure(grad, f * c, c)
+    ref_out, fstats, counts = scale_grad_reference(grad, f, c)
+    assert torch.equal(out, ref_out)
+    _reads_alike(m.value, Measured.from_stats(pack(fstats, counts), leaving=False).value)
+    assert taken(MADE, m.value).item() == 1.0
+
+
 def _reads_alike(value: torch.Tensor, expected: torch.Tensor) -> None:
     """Every mode takes the same of both values (nan and inf both read as 'arrived non-finite')."""
     for mode in (PEAK, ARRIVED, MADE, BAD):
