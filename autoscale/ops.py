@@ -30,8 +30,8 @@ the scaler's ``peaks`` (``passes/insert_overflow_checks.py``).
 from __future__ import annotations
 
 import functools
-import math
 import importlib
+import math
 from typing import Any, NamedTuple
 
 import torch

@@ -180,7 +180,8 @@ class _Builder:
         reads of the sets: those would be a piece each of another concatenation, where the
         readings' rows are one constant mask."""
         known = [_constant(r.value) for r in readings]
-        pieces = [self.call(aten.view.default, (r.value, [1])) for r, k in zip(readings, known, strict=True) if k is None]
+        pieces = [self.call(aten.view.default, (r.value, [1]))
+                  for r, k in zip(readings, known, strict=True) if k is None]
         pieces.append(self.constant([*(k for k in known if k is not None), 0.0], device, dtype=torch.float32))
         vector = self.call(aten.cat.default, (pieces,))
         if all(r.unit is None and r.scale is None for r in readings):  # (the values as they are)
