@@ -77,18 +77,17 @@ Call = Callable[..., Any]
 adds it to a graph (``passes/batch_records.py``), so that both read a value from one definition."""
 
 
-def reading(call: Call, peak: Any, unit: Any, scale: Any, bound: Any) -> Any:
-    """A point's value from what it measured (``Measured``): ``v = peak / unit``, its peak at unit
-    scale, or -1 where ``v`` is finite and ``v · scale``, its peak at the scale of the point's
-    output, is not below ``bound`` (the output overflowed, in float32 too: ``bound`` is then inf).
-    Exact, the scales being powers of two: ``v · scale`` is ``peak · scale / unit``. Computed in the
-    fold, for all of a graph's points at once, not by each point: there it was 7 ops on a 0-dim
-    value per point, which every compile stage paid for (a 1+1-layer T5's backward: 1,628 ATen
-    nodes, 563 of them 0-dim)."""
-    v = call(aten.div.Tensor, peak, unit)
-    fits = call(aten.bitwise_or.Tensor, call(aten.lt.Tensor, call(aten.mul.Tensor, v, scale), bound),
-                call(aten.logical_not.default, call(aten.lt.Scalar, v, math.inf)))
-    return call(aten.where.ScalarOther, fits, v, -1.0)
+def reading(call: Call, peak: Any, scale: Any, bound: Any) -> Any:
+    """A point's value from what it measured (``Measured``): its ``peak`` at unit scale, or -1 where
+    the peak is finite and ``peak · scale``, its peak at the scale of the point's output, is not
+    below ``bound`` (the output overflowed, in float32 too: ``bound`` is then inf). Exact, the
+    scales being powers of two: ``peak · scale`` is the largest magnitude the point wrote. Computed
+    in the fold, for all of a graph's points at once: at each point it was 6 ops on a 0-dim value,
+    which every compile stage paid for (a 1+1-layer T5's backward: 1,628 ATen nodes, 563 of them
+    0-dim)."""
+    fits = call(aten.bitwise_or.Tensor, call(aten.lt.Tensor, call(aten.mul.Tensor, peak, scale), bound),
+                call(aten.logical_not.default, call(aten.lt.Scalar, peak, math.inf)))
+    return call(aten.where.ScalarOther, fits, peak, -1.0)
 
 
 def _peak_ok(call: Call, v: Any) -> Any:
@@ -126,11 +125,11 @@ def taken(mode: int, values: torch.Tensor) -> torch.Tensor:
 class Measured(NamedTuple):
     """What a rescale point measures of the gradient it rescales, as 0-dim float32 tensors.
 
-    ``peak``: the gradient's largest magnitude at the scale ``unit`` (None: 1), nan or inf when a
-    value is not finite. Where the point's output could overflow, ``scale`` is the scale it leaves
-    with and ``bound`` the magnitude at which its dtype overflows (``_overflow_threshold``): then it
-    did iff ``peak / unit · scale ≥ bound``. ``value`` reads them as the point's one number
-    (``reading``); the fold does so for all points at once.
+    ``peak``: the gradient's largest magnitude at unit scale, nan or inf when a value is not
+    finite. Where the point's output could overflow, ``scale`` is the scale it leaves with and
+    ``bound`` the magnitude at which its dtype overflows (``_overflow_threshold``): then it did iff
+    ``peak · scale ≥ bound``. ``value`` reads them as the point's one number (``reading``); the fold
+    does so for all points at once.
 
     ``value``: the largest magnitude at unit scale; +inf or nan when a value arrived non-finite
     (which the point blames on the scale the gradient arrived with); -1 when the rescale made a
@@ -140,7 +139,6 @@ class Measured(NamedTuple):
     scale (``total``, ``squares``) and the count of exact zeros (``zeros``)."""
 
     peak: torch.Tensor
-    unit: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     bound: float = math.inf
     total: torch.Tensor | None = None
@@ -151,14 +149,14 @@ class Measured(NamedTuple):
     def value(self) -> torch.Tensor:
         """The point's one number (``reading``), computed eagerly."""
         one = torch.ones((), device=self.peak.device)
-        out: torch.Tensor = reading(_eager, self.peak, one if self.unit is None else self.unit,
-                                    one if self.scale is None else self.scale, torch.full_like(one, self.bound))
+        out: torch.Tensor = reading(_eager, self.peak, one if self.scale is None else self.scale,
+                                    torch.full_like(one, self.bound))
         return out
 
     @staticmethod
     def from_stats(stats: torch.Tensor, *, leaving: bool) -> Measured:
         """From the fused op's statistics (float64, laid out as ``autoscale.kernels.reference.STATS``):
-        a value already read (no ``unit``, no ``bound``)."""
+        a value already read (no ``scale``, no ``bound``)."""
         amax, total, squares, arrived, _, zeros, made, _ = stats.float().unbind()
         made_mark = math.inf if leaving else -1.0
         value = torch.where(arrived > 0, math.inf, torch.where(made > 0, made_mark, amax))
@@ -218,7 +216,11 @@ def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Te
         out = torch.where(scaled.abs() < bound, scaled, keep).to(grad.dtype)
     at_unit = torch.where(magnitude < math.inf, measured, 0.0) / unit_scale if moments else None
     return out, Measured(
-        peak, unit_scale, None if leaving else scale.float(), bound,
+        # (divided here, in the point's kernel, which reads ``unit_scale`` anyway: left to the fold,
+        # the copy of each peak into its vector was fused into whichever kernel Inductor chose,
+        # and identical layers' points compiled to different kernels: a 3+3-layer T5's backward
+        # had 37 C++ kernels instead of 27)
+        peak / unit_scale, None if leaving else scale.float(), bound,
         total=at_unit.sum() if at_unit is not None else None,
         squares=(at_unit * at_unit).sum() if at_unit is not None else None,
         zeros=(measured == 0).sum(dtype=torch.int32).float() if zeros else None,
@@ -308,8 +310,7 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     values: list[torch.Tensor] = []
     cells: list[int] = []
     modes: list[int] = []
-    units: list[torch.Tensor | None] = []
-    limits: list[torch.Tensor | None] = []
+    out_scales: list[torch.Tensor | None] = []
     bounds: list[float] = []
 
     def put(row: int, column: str, value: torch.Tensor, mode: int) -> None:
@@ -317,8 +318,7 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
         values.append(value)
         cells.append(row * NUM_STATS + STAT[column])
         modes.append(mode)
-        units.append(m.unit if read else None)
-        limits.append(m.scale if read else None)
+        out_scales.append(m.scale if read else None)
         bounds.append(m.bound if read else math.inf)
 
     # (an unscale point's rows are its in_rows only: what the unscale made, its value marks as arrived)
@@ -346,7 +346,7 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
                 put(row, "zeros", m.zeros, SUM)
                 put(row, "numel", elements, SUM)  # type: ignore[arg-type]
     if values:
-        stats.copy_(record(stats, values, cells, modes, units, limits, bounds))
+        stats.copy_(record(stats, values, cells, modes, out_scales, bounds))
     return out
 
 
@@ -362,23 +362,22 @@ def rescaled(grad: torch.Tensor, scales: torch.Tensor, out_rows: tuple[int, ...]
 
 
 def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[int], modes: Sequence[int],
-         units: Sequence[torch.Tensor | None] | None = None, scales: Sequence[torch.Tensor | None] | None = None,
-         bounds: Sequence[float] | None = None) -> torch.Tensor:
+         scales: Sequence[torch.Tensor | None] | None = None, bounds: Sequence[float] | None = None) -> torch.Tensor:
     """``stats`` with what ``modes[j]`` takes of value j folded into the flat cell ``cells[j]``, by
     the mode's combine (``MODES``). Value j is ``values[j]`` as ``reading`` reads it with
-    ``units[j]``, ``scales[j]`` and ``bounds[j]`` (a None unit or scale: 1; no bounds: inf, which
-    with a scale of 1 reads a value as it is). The meaning of ``record``; everything a mode
-    combines by max is non-negative (so a cell nothing reaches keeps its value)."""
+    ``scales[j]`` and ``bounds[j]`` (a None scale: 1; no bounds: inf, which reads a value as it
+    is). The meaning of ``record``; everything a mode combines by max is non-negative (so a cell
+    nothing reaches keeps its value)."""
     flat = stats.reshape(-1).clone()
     if not values:
         return flat.view_as(stats)
     one = torch.ones((), dtype=flat.dtype, device=flat.device)
 
-    def stacked(xs: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
-        return torch.stack([(one if x is None else x.reshape(()).to(flat.dtype)) for x in (xs or [None] * len(values))])
+    def stacked(xs: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        return torch.stack([(one if x is None else x.reshape(()).to(flat.dtype)) for x in xs])
 
     limits = torch.tensor(list(bounds or [math.inf] * len(values)), dtype=flat.dtype, device=flat.device)
-    v = reading(_eager, stacked(values), stacked(units), stacked(scales), limits)
+    v = reading(_eager, stacked(values), stacked(scales or [None] * len(values)), limits)
     index = torch.tensor(list(cells), device=flat.device)
     for mode in sorted(set(modes)):
         chosen = torch.tensor([m == mode for m in modes], device=flat.device)
@@ -391,14 +390,13 @@ def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[in
 
 @torch.library.custom_op("autoscale::record", mutates_args=())
 def record(stats: torch.Tensor, values: list[torch.Tensor], cells: list[int], modes: list[int],
-           units: list[torch.Tensor | None], scales: list[torch.Tensor | None], bounds: list[float]) -> torch.Tensor:
-    """``fold(stats, values, cells, modes, units, scales, bounds)`` as one op: a point's
-    measurements, which ``passes/batch_records.py`` gathers with the graph's other points into one
-    fold."""
-    return fold(stats, values, cells, modes, units, scales, bounds)
+           scales: list[torch.Tensor | None], bounds: list[float]) -> torch.Tensor:
+    """``fold(stats, values, cells, modes, scales, bounds)`` as one op: a point's measurements,
+    which ``passes/batch_records.py`` gathers with the graph's other points into one fold."""
+    return fold(stats, values, cells, modes, scales, bounds)
 
 
 @record.register_fake
 def _(stats: torch.Tensor, values: list[torch.Tensor], cells: list[int], modes: list[int],
-      units: list[torch.Tensor | None], scales: list[torch.Tensor | None], bounds: list[float]) -> torch.Tensor:
+      scales: list[torch.Tensor | None], bounds: list[float]) -> torch.Tensor:
     return torch.empty_like(stats)

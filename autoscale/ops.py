@@ -121,7 +121,7 @@ def watch(x: torch.Tensor, peaks: torch.Tensor, slot: int) -> None:
     if x.numel() == 0:
         return
     peak = x.detach().float().abs().amax()
-    peaks.copy_(record(peaks, [peak], [slot], [MAX], [None], [None], [math.inf]))
+    peaks.copy_(record(peaks, [peak], [slot], [MAX], [None], [math.inf]))
 
 
 def identity_output(x: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ Each rescale point's backward records its measurements with one ``autoscale::rec
 (``autoscale.measure``), and writes the result back into the statistics tensor, a graph input.
 In AOTAutograd's joint graph that is a chain through the tensor — ``record``, ``copy``, ``record``,
 ``copy``, ... — ending in the ``copy_`` into the input. This pass replaces each such chain by one
-fold at its end: the points' values concatenated, each read against the scales it was measured at
-and leaves with (``autoscale.measure.reading``: a peak at unit scale, or the mark of an overflow the
+fold at its end: the points' values concatenated, each read against the scale its point's output
+leaves with (``autoscale.measure.reading``: a peak at unit scale, or the mark of an overflow the
 point's scaling made), what each cell's mode takes of them computed for the whole vector at once
 (``autoscale.measure.MODES``: the flags a point's one number marks),
 gathered per cell with a constant index plan, reduced (max or sum, as each cell combines) and
@@ -19,10 +19,10 @@ Why: folded point by point, each update was a few ops over the whole tensor, whi
 rewrote in full at every point; on a 1+1-layer T5 the statistics were 3,000 of its backward's
 4,000 nodes and about 23 s of an 80 s compile. Batched, they are ~20 nodes per graph.
 
-A chain this pass does not recognize (an intermediate value read elsewhere, a unit or scale that is
-not a set of rows' scale) is left as it is: ``record`` then runs as an op of its own, and computes
-the same. The pass runs before ``batch_row_reads``: a point's unit and scale are still its
-``set_scale`` reads, whose rows say which scales to read.
+A chain this pass does not recognize (an intermediate value read elsewhere, a scale that is not a
+set of rows' scale) is left as it is: ``record`` then runs as an op of its own, and computes the
+same. The pass runs before ``batch_row_reads``: a point's scale is still its ``set_scale`` read,
+whose rows say which scales to read.
 """
 
 from __future__ import annotations
@@ -70,16 +70,16 @@ def batch_records(gm: GraphModule, cfg: Config) -> PassResult:
         if found is None:
             continue
         records, dead = found
-        # (value, unit, scale, bound): what ``reading`` reads, per recorded value
+        # (value, scale, bound): what ``reading`` reads, per recorded value
         readings = [_Reading(*parts) for r in records
-                    for parts in zip(*(_seq(a) for a in (r.args[1], r.args[4], r.args[5], r.args[6])), strict=True)]
+                    for parts in zip(*(_seq(a) for a in (r.args[1], r.args[4], r.args[5])), strict=True)]
         cells = [int(c) for r in records for c in _seq(r.args[2])]
         modes = [int(m) for r in records for m in _seq(r.args[3])]
         if len({(c, MODES[m][0]) for c, m in zip(cells, modes, strict=True)}) != len(set(cells)):
             continue  # (a cell combined both ways: the order would matter; points never record so)
         readable, scales = _scales_read(readings)
         if not readable:
-            continue  # (a unit or scale that is not a set of rows' scale: points never record so)
+            continue  # (a scale that is not a set of rows' scale: points never record so)
         with graph.inserting_before(end):
             build = _Builder(gm, fake_mode, f"_autoscale_records_{chains}")
             folded = build.fold(stats, scales, readings, cells, modes)
@@ -127,7 +127,6 @@ class _Reading(NamedTuple):
     """One recorded value and how ``reading`` reads it (``autoscale.measure.record``'s arguments)."""
 
     value: Node
-    unit: Node | None
     scale: Node | None
     bound: float
 
@@ -141,8 +140,8 @@ class _Builder:
 
     def fold(self, stats: Node, scales: Node | None, readings: Sequence[_Reading], cells: Sequence[int],
              modes: Sequence[int]) -> Node:
-        """The points' values in one vector, read (``reading``) against the ``scales`` their units
-        and limits are sets of, what each mode takes of it side by side (``MODES``), then per
+        """The points' values in one vector, read (``reading``) against the ``scales`` their
+        points' scales are sets of, what each mode takes of it side by side (``MODES``), then per
         combine one gather, one reduction and one ``index_put``."""
         device = stats.meta["val"].device
         # (a point records one value in several cells; the computed values first: ``read``)
@@ -175,19 +174,18 @@ class _Builder:
     def read(self, readings: Sequence[_Reading], scales: Node | None, device: torch.device) -> Node:
         """Each reading's value (``reading``), and a 0 after them, as one vector. The values side by
         side: the computed ones, then (``readings`` orders them so) the numbers a graph says they
-        always are (``_constant``: an element count). Their units and limits from ``scales``
-        directly, each set's largest for all readings at once (``largest``), not from the points'
-        reads of the sets: those would be a piece each of another concatenation, where the
-        readings' rows are one constant mask."""
+        always are (``_constant``: an element count). Their scales from ``scales`` directly, each
+        set's largest for all readings at once (``largest``), not from the points' reads of the
+        sets: those would be a piece each of another concatenation, where the readings' rows are
+        one constant mask."""
         known = [_constant(r.value) for r in readings]
         pieces = [self.call(aten.view.default, (r.value, [1]))
                   for r, k in zip(readings, known, strict=True) if k is None]
         pieces.append(self.constant([*(k for k in known if k is not None), 0.0], device, dtype=torch.float32))
         vector = self.call(aten.cat.default, (pieces,))
-        if all(r.unit is None and r.scale is None for r in readings):  # (the values as they are)
+        if all(r.scale is None for r in readings):  # (the values as they are)
             return vector
-        return reading(self.op, vector, self.largest(scales, [_rows(r.unit) for r in readings], device),
-                       self.largest(scales, [_rows(r.scale) for r in readings], device),
+        return reading(self.op, vector, self.largest(scales, [_rows(r.scale) for r in readings], device),
                        self.constant([*(r.bound for r in readings), math.inf], device, dtype=torch.float32))
 
     def largest(self, scales: Node | None, sets: Sequence[tuple[int, ...]], device: torch.device) -> Node:
@@ -219,9 +217,9 @@ class _Builder:
 
 
 def _scales_read(readings: Sequence[_Reading]) -> tuple[bool, Node | None]:
-    """Whether every unit and scale of ``readings`` is a set of rows' largest scale (``_rows``), and
-    the scales tensor they read (None if they read none: they are all 1)."""
-    parts = {p for r in readings for p in (r.unit, r.scale) if p is not None and _constant(p) != 1.0}
+    """Whether every scale of ``readings`` is a set of rows' largest scale (``_rows``), and the
+    scales tensor they read (None if they read none: they are all 1)."""
+    parts = {r.scale for r in readings if r.scale is not None and _constant(r.scale) != 1.0}
     sources = {p.args[0] for p in parts if p.target is set_scale}
     if len(sources) > 1 or any(p.target is not set_scale for p in parts):
         return False, None
@@ -235,9 +233,9 @@ def _rows(part: Node | None) -> tuple[int, ...]:
 
 
 def _constant(value: Node) -> float | None:
-    """The number a recorded value, unit or scale always is, if the graph says so: a ``full`` of a
+    """The number a recorded value or scale always is, if the graph says so: a ``full`` of a
     constant (a parameter's element count; a count that depends on a dynamic size is a symbol, not
-    a number), or a ``ones`` (the unit of a point next to the loss, ``autoscale.measure._max_of``)."""
+    a number), or a ``ones`` (the scale of a set of no row but the loss row's, ``measure._max_of``)."""
     if value.target is aten.full.default and isinstance(value.args[1], (int, float)):
         return float(value.args[1])
     if value.target is aten.ones.default:

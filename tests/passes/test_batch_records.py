@@ -27,8 +27,8 @@ ROWS = 5
 MAXED = {STAT["nonfinite"], STAT["amax"]}
 
 
-Read = tuple[tuple[int, ...], tuple[int, ...], float]
-"""How a recorded value is read (``reading``): the rows of its unit, those of its scale, its bound."""
+Read = tuple[tuple[int, ...], float]
+"""How a recorded value is read (``reading``): the rows of its scale, its bound."""
 Recorded = tuple[int, int, float, "Read | None"]
 """One recorded value: (cell, mode, value, how it is read, or None: as it is)."""
 SCALES = torch.tensor([1.0, 2.0**15, 2.0**-3, 2.0**10, 2.0**-10])  # (row 0's is 1: the loss row's)
@@ -37,7 +37,7 @@ SCALES = torch.tensor([1.0, 2.0**15, 2.0**-3, 2.0**10, 2.0**-10])  # (row 0's is
 def _point(entries: list[tuple[int, float, int, Read | None]]) -> list[Recorded]:
     """Recorded values with each cell combined as its column is, as the points record them: a flag
     column by any of the modes that take a maximum of a point's number (a peak read against its
-    unit and limit, or a value as it is, marks included: -1 for made, inf for arrived), a summed one
+    scale and bound, or a value as it is, marks included: -1 for made, inf for arrived), a summed one
     by SUM, of counts (whole numbers, as is: their sum is exact in any order, as the pass claims)."""
     def count(v: float) -> float:
         return float(round(abs(v))) if v < math.inf else 1.0
@@ -47,7 +47,7 @@ def _point(entries: list[tuple[int, float, int, Read | None]]) -> list[Recorded]
 
 
 row_sets = st.sets(st.integers(0, ROWS - 1), max_size=3).map(lambda rows: tuple(sorted(rows)))
-readings = st.none() | st.tuples(row_sets, row_sets, st.sampled_from([65520.0, math.inf]))
+readings = st.none() | st.tuples(row_sets, st.sampled_from([65520.0, math.inf]))
 points = st.lists(st.lists(st.tuples(st.integers(0, ROWS * NUM_STATS - 1),
                                      st.floats(0, 1e6, width=32) | st.sampled_from([-1.0, math.inf, 3e38]),
                                      st.sampled_from([MAX, PEAK, ARRIVED, MADE, BAD]), readings),
@@ -62,18 +62,17 @@ def _set(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
 def _traced(recorded: list[list[Recorded]], *, reuse: bool = False) -> GraphModule:
     """The graph of ``stats.copy_(record(stats, ...))`` per point, functionalized as AOTAutograd
     does; with ``reuse``, an intermediate value is also read elsewhere (returned). Each point reads
-    the sets of rows of its units and scales itself, as the points do."""
+    the set of rows of its scale itself, as the points do."""
     def points_backward(stats: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
         j, kept = 0, ()
         for i, point in enumerate(recorded):
-            vals, units, limits = [], [], []
+            vals, out_scales = [], []
             for *_, read in point:
                 vals.append(values[j] * 1.0)  # (a computed 0-dim value, as a point's measurement)
-                units.append(_set(scales, read[0]) if read else None)
-                limits.append(_set(scales, read[1]) if read else None)
+                out_scales.append(_set(scales, read[0]) if read else None)
                 j += 1
-            stats.copy_(record(stats, vals, [c for c, *_ in point], [m for _, m, *_ in point], units, limits,
-                               [read[2] if read else math.inf for *_, read in point]))
+            stats.copy_(record(stats, vals, [c for c, *_ in point], [m for _, m, *_ in point], out_scales,
+                               [read[1] if read else math.inf for *_, read in point]))
             if reuse and i == 0:
                 kept = (stats.clone(),)
         return kept
@@ -100,15 +99,15 @@ def _batch(gm: GraphModule) -> dict[str, int]:
 def test_one_fold_computes_what_the_points_fold_one_by_one(recorded: list[list[Recorded]],
                                                            start: list[float]) -> None:
     """Folding all points' values at the end gives the point-by-point result exactly, whatever cells
-    repeat and in whatever order the points record (maxima of values read against their units and
-    limits, or as they are; counts, summed)."""
+    repeat and in whatever order the points record (maxima of values read against their scales and
+    bounds, or as they are; counts, summed)."""
     initial = torch.tensor(start).view(ROWS, NUM_STATS)
     expected = initial.clone()
     for point in recorded:
         reads = [read for *_, read in point]
         expected = fold(expected, [torch.tensor(v) for _, _, v, _ in point], [c for c, *_ in point],
                         [m for _, m, *_ in point], [_set(SCALES, r[0]) if r else None for r in reads],
-                        [_set(SCALES, r[1]) if r else None for r in reads], [r[2] if r else math.inf for r in reads])
+                        [r[1] if r else math.inf for r in reads])
     gm = _traced(recorded)
     assert _run(gm, recorded, initial).equal(expected)  # (the traced graph itself)
     counts = _batch(gm)
@@ -117,16 +116,15 @@ def test_one_fold_computes_what_the_points_fold_one_by_one(recorded: list[list[R
     assert _run(gm, recorded, initial).equal(expected)
 
 
-def test_a_value_is_read_against_its_unit_and_limit() -> None:
+def test_a_value_is_read_against_its_scale_and_bound() -> None:
     """``reading``: a peak at unit scale, -1 where the point's output overflowed (the peak at the
     output's scale reached the bound, or float32's range), and a non-finite peak kept as it arrived."""
-    def read(peak: float, unit: float, scale: float, bound: float = 65520.0) -> float:
-        return Measured(torch.tensor(peak), torch.tensor(unit), torch.tensor(scale), bound).value.item()
-    assert read(8.0, 4.0, 1.0) == 2.0
-    assert read(60000.0, 2.0, 2.0) == 30000.0  # (60000 · 2/2 fits)
-    assert read(40000.0, 1.0, 2.0) == -1.0 and read(40000.0, 1.0, 2.0, math.inf) == 40000.0
-    assert read(1e37, 2.0, 2.0**10, math.inf) == -1.0  # (a float32 gradient scaled past float32's range)
-    assert read(math.inf, 1.0, 2.0**-10) == math.inf and math.isnan(read(math.nan, 1.0, 1.0))
+    def read(peak: float, scale: float, bound: float = 65520.0) -> float:
+        return Measured(torch.tensor(peak), torch.tensor(scale), bound).value.item()
+    assert read(2.0, 4.0) == 2.0 and read(30000.0, 2.0) == 30000.0
+    assert read(40000.0, 2.0) == -1.0 and read(40000.0, 2.0, math.inf) == 40000.0
+    assert read(1e37, 2.0**10, math.inf) == -1.0  # (a float32 gradient scaled past float32's range)
+    assert read(math.inf, 2.0**-10) == math.inf and math.isnan(read(math.nan, 1.0))
 
 
 def test_chains_it_cannot_batch_are_left_as_they_are() -> None:
@@ -136,7 +134,7 @@ def test_chains_it_cannot_batch_are_left_as_they_are() -> None:
     gm = _traced(recorded, reuse=True)
     assert _batch(gm) == {"records": 0, "folds": 0}
     assert len(gm.graph.find_nodes(op="call_function", target=RECORD)) == 2
-    mixed: list[list[Recorded]] = [[(0, SUM, 1.0, None)], [(0, MAX, 1.0, ((1,), (2,), math.inf))]]
+    mixed: list[list[Recorded]] = [[(0, SUM, 1.0, None)], [(0, MAX, 1.0, ((2,), math.inf))]]
     gm = _traced(mixed)
     assert _batch(gm) == {"records": 0, "folds": 0}
     assert _run(gm, mixed, torch.zeros(ROWS, NUM_STATS))[0, 0] == 1.0
