@@ -13,7 +13,8 @@ run time. This pass puts ``autoscale.ops.watch(x, peaks, slot)`` after
   residual stream cast for the next GEMM, an unnormalized input), but a parameter's (a weight
   that grows overflows the GEMM it feeds first, which is watched) and a normalization's output
   predicted far inside the range (``_normalized``: a norm op, or an RMS norm written out as T5's
-  and Llama's are, with its affine weight), and a float16 value's elements cast back from float32
+  and Llama's are, with its affine weight, scaled down by a constant at most), and a float16
+  value's elements cast back from float32
   (``_narrowed_back``). The check reads the float32 source, so it sees the magnitude the cast
   loses;
 * every op kept in float32 because of forward overflow, and the graph's float outputs, but an
@@ -84,6 +85,7 @@ to go unwatched (``_normalized``): norm weights grow, but not 256-fold."""
 _GROWS = (Category.ALLOW, Category.INFER)
 _SAME_VALUES = FIXED | {"contiguous", "clone"}
 """Ops whose output holds their input's values, in another dtype or layout at most."""
+_DIVISIONS = frozenset({"div", "truediv", "true_divide"})
 _AVERAGING = frozenset({"matmul", "bmm"})
 """Products whose first operand's last dimension is the one contracted."""
 
@@ -177,11 +179,17 @@ def _normalized(source: Node, cfg: Config) -> bool:
         return False
     n: object = source
     while isinstance(n, Node) and n.op in ("call_function", "call_method"):
+        if n.target is rescale:  # (a scale point: the identity, forward)
+            n = n.args[0]
+            continue
         name = op_name(n) or ""
         if name in NORMALIZATIONS or _rms_normalized(n):
             return True
         if (scaled := _scaled_by_parameter(n)) is not None:  # (a norm's affine weight, applied apart)
             n = scaled
+            continue
+        if (shrunk := _shrunk(n)) is not None:  # (T5's rescale before its tied head)
+            n = shrunk
             continue
         if category_of(name, cfg.op_overrides) is not Category.CLEAR and name not in BOUNDED and cast_of(n) is None:
             return False
@@ -254,6 +262,24 @@ def _scaled_by_parameter(n: Node) -> Node | None:
     for weight, value in ((_values_of(a), b), (_values_of(b), a)):
         if isinstance(value, Node) and isinstance(weight, Node) and parameter_path(weight) is not None:
             return value
+    return None
+
+
+def _shrunk(n: Node) -> Node | None:
+    """The tensor ``n`` multiplies by a number of magnitude at most 1, or divides by one of at least
+    1, else None: a value never larger than that tensor (T5's ``sequence_output * model_dim**-0.5``
+    after its last norm, where the head shares the embedding's weights)."""
+    args = op_args(n)
+    if len(args) != 2:
+        return None
+    a, b = args
+    name = op_name(n)
+    if name == "mul":
+        for value, factor in ((a, b), (b, a)):
+            if isinstance(value, Node) and isinstance(factor, (int, float)) and abs(factor) <= 1:
+                return value
+    if name in _DIVISIONS and isinstance(a, Node) and isinstance(b, (int, float)) and abs(b) >= 1:
+        return a
     return None
 
 

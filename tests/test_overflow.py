@@ -168,13 +168,14 @@ class _Attention(nn.Module):
     """An RMS norm written out (with its affine weight, as T5's and Llama's), rotary embeddings
     computed in float32 (as Llama's), attention written out, and the look-alikes that are not
     bounded: a value scaled by a parameter without a norm, a sum of two rotated values, softmax
-    weights contracted over the dimension they do not sum to 1 along, and attention with a dropout
-    that can lift its output above the alarm of ``v``'s."""
+    weights contracted over the dimension they do not sum to 1 along, attention with a dropout
+    that can lift its output above the alarm of ``v``'s, and a normalized value scaled up, not down
+    (T5's rescale before its tied head scales down)."""
 
     def __init__(self, d: int = 64) -> None:
         super().__init__()
         self.norm_weight, self.gain = nn.Parameter(torch.ones(d)), nn.Parameter(torch.ones(d))
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.q, self.k, self.v, self.o, self.down, self.up = (nn.Linear(d, d) for _ in range(6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))  # mul#0, mul#1
@@ -184,12 +185,14 @@ class _Attention(nn.Module):
         q = q * angle.cos() + torch.cat((-q[..., 32:], q[..., :32]), -1) * angle.sin()  # neg#0, add#1
         w = F.softmax((q @ k.transpose(-1, -2)).float(), dim=-1).type_as(q)  # matmul#0
         fused = F.scaled_dot_product_attention(q, k, v) + F.scaled_dot_product_attention(q, k, v, dropout_p=0.6)
-        return self.o(w @ v + w.transpose(-1, -2) @ v + fused)  # matmul#1, matmul#2
+        out = self.o(w @ v + w.transpose(-1, -2) @ v + fused)  # matmul#1, matmul#2
+        return out + self.down(h * 64**-0.5) + self.up(h * 4.0)  # mul#6, mul#7
 
 
 def test_values_that_cannot_overflow_first_are_not_watched() -> None:
     """A normalized value cast into float16 (an RMS norm written out, its affine weight applied
-    apart), a float16 value's elements negated in float32 and cast back (RoPE's ``rotate_half``),
+    apart; scaled down by a constant), a float16 value's elements negated in float32 and cast back
+    (RoPE's ``rotate_half``),
     and attention's weighted average of ``v`` (``softmax(s) @ v``, ``scaled_dot_product_attention``)
     cannot overflow while what they are computed from is finite, and that is watched: no check of
     their own. What merely looks like them is watched."""
@@ -199,8 +202,9 @@ def test_values_that_cannot_overflow_first_are_not_watched() -> None:
     seed_inputs(gm, example)
     run_stage(gm, Config(verify=True).resolved(torch.device("cpu")), "dynamo", PIPELINE)
     watched = {site.key for site in gm.meta[SITES_KEY]}
-    assert not {":mul#1@float16", ":neg#0@float16", ":matmul#1", ":scaled_dot_product_attention#0"} & watched, watched
-    looks_alike = {":mul#2@float16", ":add#1@float16", ":matmul#2", ":scaled_dot_product_attention#1"}
+    assert not {":mul#1@float16", ":mul#6@float16", ":neg#0@float16", ":matmul#1",
+                ":scaled_dot_product_attention#0"} & watched, watched
+    looks_alike = {":mul#2@float16", ":mul#7@float16", ":add#1@float16", ":matmul#2", ":scaled_dot_product_attention#1"}
     assert looks_alike | {":matmul#0", "q:linear#0", "v:linear#0"} <= watched, watched
 
 
