@@ -5,8 +5,9 @@ scaled output and *one number* that says all a step needs of it (``Measured.valu
 magnitude at unit scale, or a mark for a non-finite value that arrived or that the scaling made),
 and hands it to :func:`record` with the cells it goes to and what each cell takes of it (``MODES``):
 ``stats`` comes back with each value folded into its cell, by max or by sum. The point hands the
-number over unread, as its gradient's largest magnitude and the scales that say what it means
-(``Measured``): the fold reads it (``reading``), for all of a graph's points at once.
+number over half read: its gradient's largest magnitude at unit scale, with the scale and bound
+that say whether its output overflowed (``Measured``); the fold reads it (``reading``), for all of
+a graph's points at once.
 
 Why one number: compiled, every recorded scalar is a buffer of its own, which the backward's
 wrapper allocates or aliases in Python at every step, and whose ``omp single`` block in the

@@ -183,7 +183,7 @@ class _Builder:
                   for r, k in zip(readings, known, strict=True) if k is None]
         pieces.append(self.constant([*(k for k in known if k is not None), 0.0], device, dtype=torch.float32))
         vector = self.call(aten.cat.default, (pieces,))
-        if all(r.scale is None for r in readings):  # (the values as they are)
+        if all(r.scale is None and r.bound == math.inf for r in readings):  # (read as they are)
             return vector
         return reading(self.op, vector, self.largest(scales, [_rows(r.scale) for r in readings], device),
                        self.constant([*(r.bound for r in readings), math.inf], device, dtype=torch.float32))

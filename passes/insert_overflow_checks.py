@@ -14,9 +14,8 @@ run time. This pass puts ``autoscale.ops.watch(x, peaks, slot)`` after
   that grows overflows the GEMM it feeds first, which is watched) and a normalization's output
   predicted far inside the range (``_normalized``: a norm op, or an RMS norm written out as T5's
   and Llama's are, with its affine weight, scaled down by a constant at most), and a float16
-  value's elements cast back from float32
-  (``_narrowed_back``). The check reads the float32 source, so it sees the magnitude the cast
-  loses;
+  value's elements cast back from float32 (``_narrowed_back``). The check reads the float32
+  source, so it sees the magnitude the cast loses;
 * every op kept in float32 because of forward overflow, and the graph's float outputs, but an
   output that only widens a watched value (the float32 logits of a float16 head GEMM, through its
   scale point): that value's check is marked as the output's instead, as a second check would read
@@ -86,6 +85,7 @@ _GROWS = (Category.ALLOW, Category.INFER)
 _SAME_VALUES = FIXED | {"contiguous", "clone"}
 """Ops whose output holds their input's values, in another dtype or layout at most."""
 _DIVISIONS = frozenset({"div", "truediv", "true_divide"})
+"""True divisions (``_shrunk``)."""
 _AVERAGING = frozenset({"matmul", "bmm"})
 """Products whose first operand's last dimension is the one contracted."""
 
@@ -270,7 +270,7 @@ def _shrunk(n: Node) -> Node | None:
     1, else None: a value never larger than that tensor (T5's ``sequence_output * model_dim**-0.5``
     after its last norm, where the head shares the embedding's weights)."""
     args = op_args(n)
-    if len(args) != 2:
+    if len(args) != 2 or n.kwargs:  # (a division with a rounding mode can round away from 0)
         return None
     a, b = args
     name = op_name(n)
