@@ -177,23 +177,18 @@ def _normalized(source: Node, cfg: Config) -> bool:
     moments = source.meta.get(MOMENTS_KEY, {}).get("value")
     if moments is None or moments.amax * CAST_MARGIN >= cfg.overflow.threshold * FP16_MAX:
         return False
-    n: object = source
+    n = _values_of(source)
     while isinstance(n, Node) and n.op in ("call_function", "call_method"):
-        if n.target is rescale:  # (a scale point: the identity, forward)
-            n = n.args[0]
-            continue
         name = op_name(n) or ""
         if name in NORMALIZATIONS or _rms_normalized(n):
             return True
-        if (scaled := _scaled_by_parameter(n)) is not None:  # (a norm's affine weight, applied apart)
-            n = scaled
+        # (a norm's affine weight, applied apart; T5's rescale before its tied head)
+        if (operand := _scaled_by_parameter(n) or _shrunk(n)) is not None:
+            n = _values_of(operand)
             continue
-        if (shrunk := _shrunk(n)) is not None:  # (T5's rescale before its tied head)
-            n = shrunk
-            continue
-        if category_of(name, cfg.op_overrides) is not Category.CLEAR and name not in BOUNDED and cast_of(n) is None:
+        if category_of(name, cfg.op_overrides) is not Category.CLEAR and name not in BOUNDED:
             return False
-        n = n.args[0] if n.args else None
+        n = _values_of(n.args[0]) if n.args else None
     return False
 
 
