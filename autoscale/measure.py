@@ -42,8 +42,8 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "LOSS_ROW", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM",
-           "Measured", "fold", "point_backward", "reading", "record", "rescaled", "scale_and_measure", "set_scale",
-           "taken"]
+           "Measured", "fold", "largest", "point_backward", "reading", "record", "rescaled", "scale_and_measure",
+           "set_scale", "taken"]
 
 aten = torch.ops.aten
 
@@ -124,13 +124,13 @@ def taken(mode: int, values: torch.Tensor) -> torch.Tensor:
 
 
 class Measured(NamedTuple):
-    """What a rescale point measures of the gradient it rescales, as 0-dim float32 tensors.
+    """What a rescale point measures of the gradient it rescales: float32 tensors of one element.
 
     ``peak``: the gradient's largest magnitude at unit scale, nan or inf when a value is not
-    finite. Where the point's output could overflow, ``scale`` is the scale it leaves with and
-    ``bound`` the magnitude at which its dtype overflows (``_overflow_threshold``): then it did iff
-    ``peak · scale ≥ bound``. ``value`` reads them as the point's one number (``reading``); the fold
-    does so for all points at once.
+    finite (a one-element vector on the CPU path: ``largest``). Where the point's output could
+    overflow, ``scale`` is the scale it leaves with and ``bound`` the magnitude at which its dtype
+    overflows (``_overflow_threshold``): then it did iff ``peak · scale ≥ bound``. ``value`` reads
+    them as the point's one number (``reading``); the fold does so for all points at once.
 
     ``value``: the largest magnitude at unit scale; +inf or nan when a value arrived non-finite
     (which the point blames on the scale the gradient arrived with); -1 when the rescale made a
@@ -204,8 +204,12 @@ def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Te
     else:
         measured, unit_scale = g, carried.float()
     magnitude = measured.abs()
-    # (amax carries them through: a nan anywhere makes the peak nan, an inf makes it inf)
-    peak = magnitude.amax() if g.numel() else torch.zeros((), device=g.device)
+    # (amax carries them through: a nan anywhere makes the peak nan, an inf makes it inf). At unit
+    # scale in the reduction itself, exactly (the scales are powers of two), so that the reduction
+    # is the value the fold reads: Inductor writes it into its slot of the fold's vector
+    # (``largest``). Divided after the reduction, the quotient was another 0-dim value, copied into
+    # the vector; left to the fold, the raw peak was, by whichever kernel Inductor chose.
+    peak = largest(magnitude * unit_scale.reciprocal())
     bound = math.inf
     if not leaving:
         # a finite value overflows under ``factor`` iff the largest one does: the fold reads that
@@ -213,19 +217,31 @@ def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Te
         bound = _overflow_threshold(grad.dtype)
         # (``keep``, always 0: reading the peak makes the reduction an ancestor of ``out``, which
         # Inductor then writes in place; see above)
-        keep = torch.where(peak < 0.0, peak, 0.0)
+        keep = torch.where(peak < 0.0, peak, 0.0).reshape(())
         out = torch.where(scaled.abs() < bound, scaled, keep).to(grad.dtype)
     at_unit = torch.where(magnitude < math.inf, measured, 0.0) / unit_scale if moments else None
     return out, Measured(
-        # (divided here, in the point's kernel, which reads ``unit_scale`` anyway: left to the fold,
-        # the copy of each peak into its vector was fused into whichever kernel Inductor chose,
-        # and identical layers' points compiled to different kernels: a 3+3-layer T5's backward
-        # had 37 C++ kernels instead of 27)
-        peak / unit_scale, None if leaving else scale.float(), bound,
+        peak, None if leaving else scale.float(), bound,
         total=at_unit.sum() if at_unit is not None else None,
         squares=(at_unit * at_unit).sum() if at_unit is not None else None,
         zeros=(measured == 0).sum(dtype=torch.int32).float() if zeros else None,
     )
+
+
+def largest(x: torch.Tensor) -> torch.Tensor:
+    """``max x`` over every element as a one-element vector (0 for an empty ``x``): how a point or a
+    check hands its peak to the fold. Shaped like one piece of the fold's vector, the reduction is
+    that piece: Inductor writes it straight into its slot of the vector. A 0-dim peak reached the
+    vector through a view, which Inductor copies into a concatenation: a 0-dim buffer and a copy
+    per value (in the quick MLP's forward, a serial block with a barrier per check in the fold's
+    kernel) and, in the backward, reductions left in kernels of their own (docs/scaling.md)."""
+    if not x.numel():
+        return x.new_zeros(1)
+    if x.dim() == 0:
+        return x.reshape(1)
+    # (over a leading unit dimension, not a flattened view: the reduction then indexes ``x`` as
+    # the op writing ``x`` does, and Inductor fuses the two as for a 0-dim max)
+    return x.unsqueeze(0).amax(list(range(1, x.dim() + 1)))
 
 
 @functools.cache

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from autoscale.measure import MAX, NUM_STATS, STAT, point_backward, record, rescaled
+from autoscale.measure import MAX, NUM_STATS, STAT, largest, point_backward, record, rescaled
 
 __all__ = [
     "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "LAYOUT_SEP", "NUM_STATS", "PROMOTED_SEP", "SCALE_RANGE", "STAT", "Attached",
@@ -114,13 +114,16 @@ def watch(x: torch.Tensor, peaks: torch.Tensor, slot: int) -> None:
     ``autoscale.measure.record``, which ``passes/batch_records.py`` folds with the graph's other
     checks into one update of ``peaks`` at the end of the forward.
 
+    The maximum is a one-element vector (``autoscale.measure.largest``): Inductor writes it straight
+    into its slot of the fold's vector, with no buffer of its own and no copy.
+
     In float32 from the start (``abs`` and ``max`` are exact in both): Inductor, emulating float16
     casts, rounds each float16 op's result back to float16, and ``abs().amax()`` on the float16
     value cost two conversions more per element in the kernel of every watched value.
     """
     if x.numel() == 0:
         return
-    peak = x.detach().float().abs().amax()
+    peak = largest(x.detach().float().abs())
     peaks.copy_(record(peaks, [peak], [slot], [MAX], [None], [math.inf]))
 
 

@@ -179,7 +179,9 @@ class _Builder:
         sets: those would be a piece each of another concatenation, where the readings' rows are
         one constant mask."""
         known = [_constant(r.value) for r in readings]
-        pieces = [self.call(aten.view.default, (r.value, [1]))
+        # (a one-element vector, as points and checks hand their peaks over, is a piece as it is:
+        # Inductor then writes the reduction into its slot; a view of a value, it copies there)
+        pieces = [r.value if tuple(r.value.meta["val"].shape) == (1,) else self.call(aten.view.default, (r.value, [1]))
                   for r, k in zip(readings, known, strict=True) if k is None]
         pieces.append(self.constant([*(k for k in known if k is not None), 0.0], device, dtype=torch.float32))
         vector = self.call(aten.cat.default, (pieces,))

@@ -11,9 +11,12 @@ point's kernel took 107 µs; reading the source, 49 µs (kernel profiler, both i
 A max over every element depends neither on their order nor on repeats, and elementwise ops
 commute with any rearrangement. So ``amax(u(r(x)))`` is exactly ``amax(u(x))``, nan included (a
 nan anywhere makes either nan), where ``r`` is a chain of rearrangements (``op_tables.REARRANGING``:
-views, permutes, clones, expands) and ``u`` one of casts (``graph_utils.cast_of``, in either IR) and
-unary elementwise ops (``UNARY_ELEMENTWISE``: ``abs``), in any interleaving. The pass gives each
-such reduction ``u(x)`` and all of ``x``'s dimensions, and Inductor reads ``x`` in its own order.
+views, permutes, clones, expands) and ``u`` one of casts (``graph_utils.cast_of``, in either IR),
+unary elementwise ops (``UNARY_ELEMENTWISE``: ``abs``) and the multiply by a scale's reciprocal
+that brings a point's magnitudes to unit scale, in any interleaving. The pass gives each such
+reduction ``u(x)`` and all of ``x``'s dimensions, and Inductor reads ``x`` in its own order. A max
+handed to the fold as a one-element vector (``autoscale.measure.largest``: every dimension of an
+``unsqueeze(·, 0)`` but the first) stays one, over ``unsqueeze(u(x), 0)``.
 
 Only where the chain changes the elements' order (``op_tables.REORDERING``: a permute or a
 transpose). Through views alone the reduction already reads in order, and it shares its loop with
@@ -62,16 +65,36 @@ def reduce_at_source(gm: GraphModule, cfg: Config) -> PassResult:
         with graph.inserting_before(amax):
             for op in unary:  # (source first)
                 value = _copy_onto(graph, op, value, fake_mode)
-        amax.args = (value, [], False)
+            if _dim(amax) == 1:  # (``largest``'s form: over all but a leading unit dimension)
+                value = _unsqueezed(graph, value, fake_mode)
+                amax.args = (value, list(range(1, _dim(value))), False)
+            else:
+                amax.args = (value, [], False)
         _erase_unused(graph, old)
         moved += 1
     return PassResult(gm, modified=moved > 0, counts={"reductions": moved})
 
 
 def _reduces_all(amax: Node) -> bool:
-    """Whether ``amax`` reduces every dimension of its input to one 0-dim value."""
-    val = tensor_val(amax)
-    return isinstance(val, torch.Tensor) and val.dim() == 0 and isinstance(amax.args[0], Node)
+    """Whether ``amax`` reduces every element of its input to one value: to a 0-dim one, or to
+    the one-element vector of ``autoscale.measure.largest`` (every dimension but a leading unit one
+    of an ``unsqueeze``)."""
+    val, x = tensor_val(amax), amax.args[0]
+    if not isinstance(val, torch.Tensor) or not isinstance(x, Node):
+        return False
+    if val.dim() == 0:
+        return True
+    dims = amax.args[1]
+    return (tuple(val.shape) == (1,) and op_name(x) == "unsqueeze" and isinstance(dims, (list, tuple))
+            and all(isinstance(d, int) for d in dims)
+            and sorted(d % _dim(x) for d in dims if isinstance(d, int)) == list(range(1, _dim(x))))
+
+
+def _dim(node: Node) -> int:
+    """The number of dimensions of ``node``'s value (a tensor)."""
+    val = tensor_val(node)
+    assert isinstance(val, torch.Tensor)
+    return val.dim()
 
 
 def _source_of(value: Node) -> tuple[Node | None, list[Node]]:
@@ -83,7 +106,7 @@ def _source_of(value: Node) -> tuple[Node | None, list[Node]]:
     node: Any = value
     while isinstance(node, Node) and node.op == "call_function" and node.args and isinstance(node.args[0], Node):
         name = op_name(node)
-        if cast_of(node) is not None or (name in UNARY_ELEMENTWISE and len(node.args) == 1):
+        if cast_of(node) is not None or (name in UNARY_ELEMENTWISE and len(node.args) == 1) or _to_unit_scale(node):
             unary.append(node)
         elif name in REARRANGING and _same_dtype(node, node.args[0]):
             reordered |= name in REORDERING
@@ -91,6 +114,31 @@ def _source_of(value: Node) -> tuple[Node | None, list[Node]]:
             break
         node = node.args[0]
     return (node if reordered else None), unary[::-1]
+
+
+def _to_unit_scale(node: Node) -> bool:
+    """Whether ``node`` multiplies its first input by the reciprocal of one number: a point's
+    magnitudes brought to unit scale (``autoscale.measure.scale_and_measure``). Elementwise, so it
+    commutes with every rearrangement as a unary op does. Not any multiply by a number: a
+    leaving point's reduction reads its output, ``g * factor``, which Inductor writes over ``g``
+    only while it is ``g``'s last reader; moved under that multiply, the reduction would read ``g``
+    too, and the output would take a buffer of its own."""
+    if op_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
+        return False
+    factor = node.args[1]
+    val = tensor_val(factor) if isinstance(factor, Node) else None
+    return (isinstance(val, torch.Tensor) and val.dim() == 0 and isinstance(factor, Node)
+            and factor.target is torch.ops.aten.reciprocal.default)
+
+
+def _unsqueezed(graph: Graph, value: Node, fake_mode: Any) -> Node:
+    """``value`` with a leading unit dimension, at the insert point."""
+    node = new_node(graph, "call_function", torch.ops.aten.unsqueeze.default, (value, 0), {})
+    node.meta.update({k: v for k, v in value.meta.items() if k not in ("val", "tensor_meta", PROVENANCE_KEY)})
+    with fake_mode:
+        node.meta["val"] = tensor_val(value).unsqueeze(0)
+    provenance(node, PASS, "the source under a unit dimension, for a max handed to the fold as a vector", created=True)
+    return node
 
 
 def _same_dtype(node: Node, source: Node) -> bool:
@@ -107,7 +155,8 @@ def _copy_onto(graph: Graph, op: Node, value: Node, fake_mode: Any) -> Node:
     node.meta.update({k: v for k, v in op.meta.items() if k not in ("val", "tensor_meta", PROVENANCE_KEY)})
     target: Any = op.target
     with fake_mode:
-        node.meta["val"] = target(tensor_val(value), *op.args[1:], **op.kwargs)
+        rest = (tensor_val(a) if isinstance(a, Node) else a for a in op.args[1:])
+        node.meta["val"] = target(tensor_val(value), *rest, **op.kwargs)
     provenance(node, PASS, "a full max read from the source of a rearranged value, in its own order", created=True)
     return node
 

@@ -125,3 +125,17 @@ def _gelu_point_kernel_calls(model: torch.nn.Module) -> dict[str, int]:
     _, (_, backward) = run_fw_bw_and_get_code(lambda: scaler.scale(F.cross_entropy(compiled(x), y)))
     calls = re.findall(r"\n\s+(cpp_fused_\w+)\(", backward)
     return {k: calls.count(k) for k in dict.fromkeys(calls) if "amax" in k and "gelu_backward" in k}
+
+
+def test_each_checks_maximum_is_written_straight_into_the_folds_vector() -> None:
+    """A check's (and a point's) maximum is a one-element vector (``autoscale.measure.largest``), so
+    Inductor's reduction writes it into its slot of the fold's vector: the forward allocates no
+    0-dim buffer per check, and the fold's kernel copies none into the vector."""
+    model, (x,), y = mlp_case()
+    scaler = autoscale.GradScaler(model)
+    compiled = torch.compile(model, backend="autoscale")
+    _, (forward, _) = run_fw_bw_and_get_code(lambda: scaler.scale(F.cross_entropy(compiled(x), y)))
+    body = forward[forward.index("def call("):]
+    slots = body.count("# alias")
+    assert slots >= 2  # (the checks are there: a slot of the vector each)
+    assert not re.findall(r"empty_strided_cpu\(\(\), \(\)", body), body

@@ -28,6 +28,7 @@ from autoscale.measure import (
     STAT,
     Measured,
     _max_of,
+    largest,
     scale_and_measure,
     taken,
 )
@@ -112,6 +113,20 @@ def test_a_float32_gradient_scaled_past_its_range_reads_as_made() -> None:
     assert torch.equal(out, ref_out)
     _reads_alike(m.value, Measured.from_stats(pack(fstats, counts), leaving=False).value)
     assert taken(MADE, m.value).item() == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=3), data=st.data())
+def test_largest_is_the_max_of_every_element_as_one_element(shape: list[int], data: st.DataObject) -> None:
+    """``largest`` (how a point or a check hands its peak to the fold) is ``amax`` over every
+    element, nan and inf carried through, as a one-element vector; 0 for no element."""
+    n = math.prod(shape)
+    x = torch.tensor(data.draw(st.lists(values, min_size=n, max_size=n)), dtype=torch.float32).view(shape)
+    peak = largest(x)
+    assert peak.shape == (1,)
+    expected = x.amax() if n else torch.tensor(0.0)
+    assert torch.equal(peak.isnan(), expected.isnan().view(1))
+    assert torch.equal(peak.nan_to_num(), expected.nan_to_num().view(1))
 
 
 def _reads_alike(value: torch.Tensor, expected: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoscale
+from autoscale.measure import largest
 from autoscale.passes import PIPELINE, PassSpec, reduce_at_source, run_stage
 from autoscale.passes.graph_utils import cast_of, op_name
 from autoscale.passes.op_tables import REARRANGING, UNARY_ELEMENTWISE
@@ -33,7 +34,7 @@ def _under_max(gm: GraphModule) -> list[str]:
     """The ops between the (one) full max and the first op that is neither a rearrangement nor unary."""
     (amax,) = gm.graph.find_nodes(op="call_function", target=AMAX)
     names, node = [], amax.args[0]
-    while isinstance(node, Node) and (op_name(node) in REARRANGING | UNARY_ELEMENTWISE or cast_of(node)):
+    while isinstance(node, Node) and (op_name(node) in REARRANGING | UNARY_ELEMENTWISE | {"mul"} or cast_of(node)):
         names.append("cast" if cast_of(node) else op_name(node))
         node = node.args[0]
     return names
@@ -70,15 +71,42 @@ def test_the_max_of_a_rearranged_value_is_read_from_its_source(shape: list[int],
     assert _same(gm(a, b), expected)
 
 
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes, data=st.data(), exponent=st.integers(-30, 30))
+def test_a_peak_handed_to_the_fold_is_read_from_its_source_too(shape: list[int], data: st.DataObject,
+                                                               exponent: int) -> None:
+    """``largest(abs(float(permute(stack(a, b)))) * reciprocal(s))``, the form in which a point hands
+    the fold its peak (a one-element vector, at unit scale), reads ``stack(a, b)`` in its own order
+    too: the multiply by the unit scale's reciprocal is elementwise, and the max stays a vector."""
+    order = data.draw(st.permutations(range(len(shape) + 1)))
+    n = math.prod(shape)
+    a, b = (torch.tensor(data.draw(st.lists(values, min_size=n, max_size=n))).view(shape).half() for _ in range(2))
+    s = torch.tensor(2.0**exponent)
+
+    def point(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return largest(torch.stack([a, b]).permute(*order).float().abs() * s.reciprocal())
+
+    gm = make_fx(point, tracing_mode="fake")(a, b, s)
+    expected = point(a, b, s)
+    assert _reduce(gm) == {"reductions": 1}
+    assert _under_max(gm) == ["unsqueeze", "mul", "abs", "cast"]
+    result = gm(a, b, s)
+    assert result.shape == (1,) and _same(result, expected)
+
+
 def test_what_it_must_leave_alone() -> None:
     """A max with nothing rearranged under it; one over views alone (it reads in order already,
     and shares its loop with the view's other readers); one over some dimensions only; and one
     over a transposed bitcast (``view`` to another dtype changes the values: the source is the
-    bitcast, with nothing reordered under the max)."""
+    bitcast, with nothing reordered under the max); and a one-element max over a transposed value
+    multiplied by a number that is no reciprocal (a leaving point's output, ``g * factor``, which
+    Inductor writes over ``g`` while the max reads the output: read under the multiply, ``g`` would
+    have two readers)."""
     x = torch.randn(4, 6)
     for fn in (lambda x: x.abs().amax(), lambda x: x.view(2, 12).unsqueeze(0).abs().amax(),
                lambda x: x.t().abs().amax(dim=1), lambda x: x.view(torch.int32).float().abs().amax(),
-               lambda x: x.t().contiguous().view(torch.int32).float().abs().amax()):
+               lambda x: x.t().contiguous().view(torch.int32).float().abs().amax(),
+               lambda x: largest((x.t() * x.abs().amax()).abs())):
         gm = make_fx(fn, tracing_mode="fake")(x)
         assert _reduce(gm) == {"reductions": 0}
         assert _same(gm(x), fn(x))
