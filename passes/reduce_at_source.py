@@ -33,7 +33,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 
-from .graph_utils import PROVENANCE_KEY, cast_of, new_node, op_name, provenance, tensor_val
+from .graph_utils import PROVENANCE_KEY, cast_of, new_fake_call, op_name, provenance, tensor_val
 from .manager import PassResult
 from .op_tables import REARRANGING, REORDERING, UNARY_ELEMENTWISE
 
@@ -126,19 +126,8 @@ def _to_unit_scale(node: Node) -> bool:
     if op_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
         return False
     factor = node.args[1]
-    val = tensor_val(factor) if isinstance(factor, Node) else None
-    return (isinstance(val, torch.Tensor) and val.dim() == 0 and isinstance(factor, Node)
-            and factor.target is torch.ops.aten.reciprocal.default)
-
-
-def _unsqueezed(graph: Graph, value: Node, fake_mode: Any) -> Node:
-    """``value`` with a leading unit dimension, at the insert point."""
-    node = new_node(graph, "call_function", torch.ops.aten.unsqueeze.default, (value, 0), {})
-    node.meta.update({k: v for k, v in value.meta.items() if k not in ("val", "tensor_meta", PROVENANCE_KEY)})
-    with fake_mode:
-        node.meta["val"] = tensor_val(value).unsqueeze(0)
-    provenance(node, PASS, "the source under a unit dimension, for a max handed to the fold as a vector", created=True)
-    return node
+    return (isinstance(factor, Node) and factor.target is torch.ops.aten.reciprocal.default
+            and isinstance(val := tensor_val(factor), torch.Tensor) and val.dim() == 0)
 
 
 def _same_dtype(node: Node, source: Node) -> bool:
@@ -148,16 +137,22 @@ def _same_dtype(node: Node, source: Node) -> bool:
 
 def _copy_onto(graph: Graph, op: Node, value: Node, fake_mode: Any) -> Node:
     """``op`` applied to ``value`` instead of its own input, at the insert point."""
-    args = (value, *op.args[1:])
-    node = new_node(graph, "call_function", op.target, args, dict(op.kwargs))
-    # (the op's own metadata, its autograd sequence number and module stack among it: the graph
-    # diff and AOTAutograd attribute the copy to the rescale point or check the op belongs to)
-    node.meta.update({k: v for k, v in op.meta.items() if k not in ("val", "tensor_meta", PROVENANCE_KEY)})
-    target: Any = op.target
-    with fake_mode:
-        rest = (tensor_val(a) if isinstance(a, Node) else a for a in op.args[1:])
-        node.meta["val"] = target(tensor_val(value), *rest, **op.kwargs)
-    provenance(node, PASS, "a full max read from the source of a rearranged value, in its own order", created=True)
+    node = new_fake_call(graph, fake_mode, op.target, (value, *op.args[1:]), dict(op.kwargs))
+    return _made_like(op, node, "a full max read from the source of a rearranged value, in its own order")
+
+
+def _unsqueezed(graph: Graph, value: Node, fake_mode: Any) -> Node:
+    """``value`` with a leading unit dimension, at the insert point."""
+    node = new_fake_call(graph, fake_mode, torch.ops.aten.unsqueeze.default, (value, 0))
+    return _made_like(value, node, "the source under a unit dimension, for a max handed to the fold as a vector")
+
+
+def _made_like(like: Node, node: Node, why: str) -> Node:
+    """``node`` with ``like``'s metadata but for its value, and this pass's provenance: the
+    autograd sequence number and module stack among it, by which the graph diff and AOTAutograd
+    attribute ``node`` to the rescale point or check ``like`` belongs to."""
+    node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta", PROVENANCE_KEY)})
+    provenance(node, PASS, why, created=True)
     return node
 
 
