@@ -46,6 +46,9 @@ class CompileRecord:
     low_precision_parameters: tuple[str, ...] = ()
     """Trainable parameters that arrive in float16/bfloat16 (``model.half()``): computed with as
     given, with no float32 master copy."""
+    cached: bool = False
+    """AOTAutograd's cache served the compiled forward and backward (a warm start): the joint
+    stage did not run, so ``passes`` holds the Dynamo stage's records only."""
 
 
 class Backend:
@@ -93,12 +96,21 @@ class Backend:
 
         joint_passes = tuple(spec.fn for spec in self.pipeline if spec.stage == "joint")
         key = f"{cfg!r} {[fn.__name__ for fn in joint_passes]}"
+        hits = _aot_cache_hits()
         compiled = EXECUTORS[cfg.executor](gm, example_inputs, JointStage(run_joint, joint_passes, key))
+        record.cached = _aot_cache_hits() > hits
         if cfg.executor == "inductor" and (state := _state_of_graph(gm, example_inputs)) is not None:
             state.inductor_graphs += 1  # (the scaler compiles its update too: docs/results/overhead.md)
         if (rooted := gm.meta.get(_ROOTED_AT)) is not None:
             compiled = _only_for(compiled, rooted)
         return _bind_last(compiled, bound) if bound else compiled
+
+
+def _aot_cache_hits() -> int:
+    """How many graphs AOTAutograd's cache has served in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["aot_autograd"]["autograd_cache_hit"])
 
 
 def rewrite_graph(gm: GraphModule, example_inputs: Sequence[Any], config: Config,

@@ -218,7 +218,9 @@ class CompiledUpdate:
     def _first_call(self, tensors: Sequence[torch.Tensor | None], present: list[torch.Tensor], variant: Hashable,
                     constants: dict[str, Any]) -> Callable[..., None] | None:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # (Inductor: only when compiling)
+        from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.proxy_tensor import make_fx
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         def flat(*traced: torch.Tensor) -> None:
             self._fn(*_refill(tensors, traced), **constants)
@@ -230,10 +232,19 @@ class CompiledUpdate:
             inner.append(code)
             return code
 
+        # Traced on fake tensors of a mode with a shape environment, as Dynamo's are: Inductor's
+        # FX graph cache takes no graph without one, and a warm start compiled the update again
+        # (1.2 s of the quick MLP's 4.2 s first step). Its shapes stay static. Not AOTAutograd's
+        # cache: a graph it serves never reaches ``catch_inner``, and the update would be called
+        # through the wrappers above.
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in present]
+        with fake_mode:
+            graph = make_fx(flat)(*fakes)
         # (no size asserts: a variant's tensors have the layouts it was compiled for, by its key)
-        with torch._inductor.config.patch(size_asserts=False):
-            wrapped: Callable[..., Any] = compile_fx(  # type: ignore[assignment]
-                make_fx(flat, tracing_mode="fake")(*present), present, inner_compile=catch_inner)
+        with (torch._inductor.config.patch(size_asserts=False),
+              torch._functorch.config.patch(enable_autograd_cache=False)):
+            wrapped: Callable[..., Any] = compile_fx(graph, fakes, inner_compile=catch_inner)  # type: ignore[assignment]
         compiled = _boxed(inner[0]) if len(inner) == 1 else wrapped
         expected = [t.clone() for t in present]
         self._fn(*_refill(tensors, expected), **constants)

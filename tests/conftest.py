@@ -11,6 +11,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch._dynamo  # noqa: E402
+import torch._functorch.config  # noqa: E402
+
+# AOTAutograd's cache is keyed by the graph Dynamo hands over: a test compiling a graph an earlier
+# test compiled would be served its joint stage (no passes to count), or another test's patched
+# pass's. Tests of the cache turn it on with a cache directory of their own.
+torch._functorch.config.enable_autograd_cache = False
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
+import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
@@ -139,3 +141,52 @@ def test_each_checks_maximum_is_written_straight_into_the_folds_vector() -> None
     slots = body.count("# alias")
     assert slots >= 2  # (the checks are there: a slot of the vector each)
     assert not re.findall(r"empty_strided_cpu\(\(\), \(\)", body), body
+
+
+
+def _train_from_a_fresh_compile(steps: int) -> tuple[autoscale.CompileRecord, list[torch.Tensor]]:
+    """A training run as a restarted job starts one: Dynamo's in-memory state gone, the on-disk
+    caches kept. Returns its compile record and what it computed (losses, weights, scales)."""
+    torch._dynamo.reset()
+    model, (x,), y = mlp_case()
+    scaler = autoscale.GradScaler(model)
+    backend = autoscale.backend()
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(compiled(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.detach())
+    (record,) = backend.records
+    return record, [*losses, *(p.detach().clone() for p in model.parameters()), scaler.state_dict()["scales"]]
+
+
+def test_a_warm_start_is_served_by_aot_autograds_cache(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second compile of the same model in a fresh Dynamo, with the caches a first one left
+    (a restarted job), skips the joint trace, the joint stage and the partition, compiles nothing,
+    and trains alike, bit for bit. AOTAutograd's cache used to refuse autoscale's graphs (a call of
+    ``rescale``, a Python function, was in them), and both caches the scaler's update (traced
+    without a shape environment)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with torch._functorch.config.patch(enable_autograd_cache=True), torch._inductor.config.patch(fx_graph_cache=True):
+        counters.clear()
+        cold, cold_results = _train_from_a_fresh_compile(steps=3)
+        # (the model's graph; the scaler's compiled update is traced without Dynamo, and the cache
+        # takes no graph without Dynamo's shape environment)
+        assert counters["aot_autograd"]["autograd_cache_saved"] == 1, "AOTAutograd's cache refused the graph"
+        compiled_cold = counters["inductor"]["fxgraph_cache_miss"]
+        warm, warm_results = _train_from_a_fresh_compile(steps=3)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+    # nothing compiled again, the scaler's update included (Inductor's FX graph cache serves it)
+    assert counters["inductor"]["fxgraph_cache_miss"] == compiled_cold > 0
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert not cold.cached and warm.cached
+    assert {p.stage for p in cold.passes} == {"dynamo", "joint"}
+    assert {p.stage for p in warm.passes} == {"dynamo"}  # (the joint stage did not run: nothing to record)
+    for a, b in zip(cold_results, warm_results, strict=True):
+        assert torch.equal(a, b)
