@@ -143,7 +143,6 @@ def test_each_checks_maximum_is_written_straight_into_the_folds_vector() -> None
     assert not re.findall(r"empty_strided_cpu\(\(\), \(\)", body), body
 
 
-
 def _train_from_a_fresh_compile(steps: int) -> tuple[autoscale.CompileRecord, list[torch.Tensor]]:
     """A training run as a restarted job starts one: Dynamo's in-memory state gone, the on-disk
     caches kept. Returns its compile record and what it computed (losses, weights, scales)."""
