@@ -200,7 +200,7 @@ class FakeQuant:
         root.register_buffer(_RANGES, torch.zeros(len(names) * SLOTS, 3, device=device), persistent=False)
         object.__setattr__(root, _STATE_ATTR, self)
         self._root = root
-        announce_in_forward(root, lambda m: torch.ops.autoscale.attach_quant(
+        announce_in_forward(model, lambda m: torch.ops.autoscale.attach_quant(
             getattr(m, _BITS), getattr(m, _RANGES), self.layout, m.training))
         if schedule is not None:
             self.step(0)

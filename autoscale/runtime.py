@@ -14,8 +14,8 @@ import inspect
 import itertools
 import types
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -228,13 +228,20 @@ def state_of(scales: torch.Tensor) -> ScaleState | None:
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module behind ``torch.compile``'s and data parallelism's wrappers (Dynamo
     compiles the module a DistributedDataParallel wraps, not the wrapper's forward)."""
+    *_, root = _wrapped_chain(model)
+    return root
+
+
+def _wrapped_chain(model: nn.Module) -> Iterator[nn.Module]:
+    """``model``, then each module it wraps in turn (``unwrap``), the user's module last."""
     while True:
+        yield model
         if isinstance(model, (DistributedDataParallel, DataParallel)):
             model = model.module
         elif isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
             model = inner
         else:
-            return model
+            return
 
 
 def install_state(model: nn.Module, *, moments: bool = False) -> ScaleState:
@@ -248,7 +255,7 @@ def install_state(model: nn.Module, *, moments: bool = False) -> ScaleState:
         return existing
     state = ScaleState(root, [name for name, _ in root.named_modules()], moments=moments)
     object.__setattr__(root, _STATE_ATTR, state)  # a plain attribute, not a submodule
-    announce_in_forward(root, _attach)
+    announce_in_forward(model, _attach)
     return state
 
 
@@ -259,23 +266,45 @@ def _attach(m: nn.Module) -> None:
                                state.moments, state.forward.promoted_key, state.instance)
 
 
-def announce_in_forward(root: nn.Module, announce: Callable[[nn.Module], None]) -> None:
-    """Make ``root``'s forward call ``announce(root)`` first: a marker op (``autoscale::attach``,
-    ``autoscale::attach_quant``) on a runtime state's buffers, through which Dynamo lifts them into
-    the graph as inputs and a pass finds them. The buffers are looked up at each call, so that
-    ``model.to(device)`` carries them along.
+def announce_in_forward(model: nn.Module, announce: Callable[[nn.Module], None]) -> None:
+    """Make the forward of ``model``'s module (``unwrap``: ``root``) call ``announce(root)`` first:
+    a marker op (``autoscale::attach``, ``autoscale::attach_quant``) on a runtime state's buffers,
+    through which Dynamo lifts them into the graph as inputs and a pass finds them. The buffers are
+    looked up at each call, so that ``model.to(device)`` carries them along.
 
     The forward is a ``functools.partial`` of ``_announced`` over ``root``, not a closure:
     ``copy.deepcopy(model)`` copies a partial's arguments, ``root`` becoming the copy, so a copy
     runs its own forward (a closure would silently run the original's). And Dynamo's first frame is
-    ``_announced``, with ``root`` a local: the graph's inputs are named after it (``l_root_...``)."""
+    ``_announced``, with ``root`` a local: the graph's inputs are named after it (``l_root_...``).
+
+    Each model's ``_announced`` has a code object of its own (``_recoded``), and Dynamo starts from
+    it: Dynamo keeps a frame's compiled graphs on its code object and stops compiling a frame at
+    ``torch._dynamo.config.recompile_limit`` graphs (8). Every model recompiles (its state is its
+    own: ``ScaleState.instance``), so through one shared frame the ninth model trained with a
+    scaler in a process (a sweep, a notebook cell run again) silently ran eagerly, unscaled.
+    ``torch.compile`` of a ``torch.nn`` module (an ``nn.Sequential``) starts Dynamo from a frame
+    of its own that every such model shares, chosen when it wrapped the model: a wrapper in
+    ``model``'s chain is made to choose again (``_rewrap``), now that the forward is autoscale's."""
+    root = unwrap(model)
     inner = root.__dict__.get("forward")  # a forward set on the instance, or None for its class's
     wrapped = inner if inner is not None else root.forward
-    forward = functools.partial(_announced, root, announce, inner)
+    forward = functools.partial(_recoded(cast(types.FunctionType, _announced)), root, announce, inner)
     functools.update_wrapper(forward, wrapped)
     del forward.__wrapped__  # type: ignore[attr-defined]  # (a bound method of the original: a copy would keep it)
     forward.__signature__ = inspect.signature(wrapped)  # type: ignore[attr-defined]  # (Trainers read it)
     root.forward = forward
+    _rewrap(model)
+
+
+def _rewrap(model: nn.Module) -> None:
+    """Have each ``torch.compile`` wrapper between ``model`` and its module choose the frame
+    Dynamo starts from again (``OptimizedModule._initialize``, which its unpickling also calls):
+    for a ``torch.nn`` module's own forward it chose a frame shared by all such models; for
+    autoscale's forward it chooses ``_announced``. Without the method (another torch), nothing."""
+    for wrapper in _wrapped_chain(model):
+        initialize = getattr(wrapper, "_initialize", None)
+        if callable(initialize) and hasattr(wrapper, "dynamo_ctx"):
+            initialize()
 
 
 def _announced(root: nn.Module, announce: Callable[[nn.Module], None], inner: Callable[..., Any] | None,
@@ -289,8 +318,8 @@ def _announced(root: nn.Module, announce: Callable[[nn.Module], None], inner: Ca
 def recoded_forward(module: nn.Module) -> Callable[..., Any]:
     """``module.forward``, with a code object of its own for the function Dynamo starts from.
 
-    Dynamo keeps compiled graphs per code object. Through a shared one (a class's forward, or
-    ``_announced``, common to every model with a scaler), each capture with a new backend would
+    Dynamo keeps compiled graphs per code object. Through a shared one (a class's forward, or a
+    model's ``_announced``, which its training compiles), each capture with a new backend would
     add an entry until the recompile limit stops compiling, and clearing that cache would drop the
     user's own compiled code too. A fresh code object starts with an empty cache and takes it along
     when it is freed. The function is otherwise the same, so Dynamo names the graph's modules as it

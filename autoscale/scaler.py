@@ -115,7 +115,7 @@ class GradScaler:
         self._model = unwrap(model)
         device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
         self._state: ScaleState | None = (
-            install_state(self._model, moments=cfg.rule == "paper") if cfg.mode == "adaptive" else None)
+            install_state(model, moments=cfg.rule == "paper") if cfg.mode == "adaptive" else None)
         init = 1.0 if cfg.mode in ("none", "adaptive") else cfg.init_scale  # adaptive: layers scale themselves
         self._loss_scale = torch.full((), float(init), device=device)  # 0-dim, like torch.amp's
         self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)

@@ -667,6 +667,34 @@ def test_a_copy_of_the_model_gets_a_graph_of_its_own() -> None:
     assert [s._bound is not None for s in scalers] == [True, True]  # (each runs its compiled update)
 
 
+@pytest.mark.parametrize("root", ["nn.Sequential", "a module class"])
+@pytest.mark.parametrize("scaler_first", [False, True])
+def test_more_models_than_dynamos_recompile_limit_each_get_a_graph(root: str, scaler_first: bool) -> None:
+    """One process training one model after another (a sweep, a notebook cell run again): each
+    model recompiles (its state is its own), and Dynamo stops compiling a frame at its recompile
+    limit. Through a frame every model shared, the model past the limit ran eagerly, unscaled (a
+    ``torch.nn`` module compiled before its scaler was created: Dynamo's own shared frame; any
+    other: ``_announced``). Each model's forward is now a frame of its own."""
+    torch._dynamo.reset()
+    limit = 2
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for seed in range(limit + 1):
+            model, (x,), y = mlp_case(seed)
+            if root == "nn.Sequential":
+                model = nn.Sequential(*model.children())
+            backend = autoscale.backend()
+            if scaler_first:
+                scaler = GradScaler(model)
+                compiled = torch.compile(model, backend=backend)
+            else:
+                compiled = torch.compile(model, backend=backend)
+                scaler = GradScaler(compiled)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            assert _train_steps(model, scaler, opt, compiled, x, y, 2) == [False, False]
+            assert len(backend.records) == 1, f"model {seed + 1} was not compiled"
+            assert scaler._state.graphs == 1  # type: ignore[union-attr]
+
+
 @pytest.mark.gpu
 def test_follows_the_model_to_cuda() -> None:
     model, (x,), y = mlp_case()
