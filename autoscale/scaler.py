@@ -458,7 +458,8 @@ class GradScaler:
         if not self._state.graphs:
             log.warning("GradScaler: no graph compiled by autoscale uses this model's scales, so no layer was scaled; "
                         "compile the model with torch.compile(model, backend='autoscale') and create the "
-                        "GradScaler before its first forward")
+                        "GradScaler before its first forward (if Dynamo warned that it hit "
+                        "torch._dynamo.config.recompile_limit, the model ran eagerly: raise the limit)")
         elif not self.scaling_needed:
             log.info("GradScaler: the model computes in bfloat16, whose exponent range is float32's: no gradient "
                      "scaling is needed, and every scale stays 1 (steps with inf/nan are still skipped)")
