@@ -87,6 +87,7 @@ class ScaleState:
         while the model is being copied, its buffers are not in place yet."""
         new = object.__new__(ScaleState)
         memo[id(self)] = new
+        _fresh_frames(self.root, memo)
         fresh = {"checked": IdentitySet(), "graphs": 0, "inductor_graphs": 0, "scaled_graphs": 0, "graph_stats": [],
                  "_registered": None, "_any_view": None, "instance": _new_instance()}
         for key, value in vars(self).items():
@@ -294,6 +295,18 @@ def announce_in_forward(model: nn.Module, announce: Callable[[nn.Module], None])
     forward.__signature__ = inspect.signature(wrapped)  # type: ignore[attr-defined]  # (Trainers read it)
     root.forward = forward
     _rewrap(model)
+
+
+def _fresh_frames(root: nn.Module, memo: dict[int, Any]) -> None:
+    """Make ``copy.deepcopy`` give a copy of ``root`` an ``_announced`` of its own, through its
+    ``memo`` (``ScaleState.__deepcopy__``, which runs before the forward is copied: the state was
+    set on ``root`` first). ``deepcopy`` copies a partial's function as itself, so every copy would
+    share the original's frame, and its compiled graphs and their recompile limit with it
+    (``announce_in_forward``)."""
+    forward = root.__dict__.get("forward")
+    while isinstance(forward, functools.partial) and forward.func.__qualname__ == _announced.__qualname__:
+        memo.setdefault(id(forward.func), _recoded(cast(types.FunctionType, forward.func)))
+        forward = forward.args[2]  # (``inner``: an announcement made before, or None)
 
 
 def _rewrap(model: nn.Module) -> None:

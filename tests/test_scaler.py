@@ -695,6 +695,27 @@ def test_more_models_than_dynamos_recompile_limit_each_get_a_graph(root: str, sc
             assert scaler._state.graphs == 1  # type: ignore[union-attr]
 
 
+def test_more_copies_of_a_scaled_model_than_dynamos_recompile_limit_each_get_a_graph() -> None:
+    """Copies (``copy.deepcopy``) of a model that has a scaler, each trained with a scaler of its
+    own (an ensemble, population-based training): ``deepcopy`` copies a function as itself, so each
+    copy shared the original's frame and the copy past the recompile limit ran eagerly. Its state's
+    copy gives the copy's forward a frame of its own."""
+    torch._dynamo.reset()
+    limit = 2
+    model, (x,), y = mlp_case()
+    GradScaler(model)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for n in range(limit + 1):
+            m = copy.deepcopy(model)
+            scaler = GradScaler(m)
+            backend = autoscale.backend()
+            compiled = torch.compile(m, backend=backend)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            assert _train_steps(m, scaler, opt, compiled, x, y, 2) == [False, False]
+            assert len(backend.records) == 1, f"copy {n + 1} was not compiled"
+            assert scaler._state.graphs == 1  # type: ignore[union-attr]
+
+
 @pytest.mark.gpu
 def test_follows_the_model_to_cuda() -> None:
     model, (x,), y = mlp_case()
