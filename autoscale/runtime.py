@@ -293,6 +293,7 @@ def announce_in_forward(model: nn.Module, announce: Callable[[nn.Module], None])
     functools.update_wrapper(forward, wrapped)
     del forward.__wrapped__  # type: ignore[attr-defined]  # (a bound method of the original: a copy would keep it)
     forward.__signature__ = inspect.signature(wrapped)  # type: ignore[attr-defined]  # (Trainers read it)
+    root.__dict__.pop("forward", None)  # (set last: ``_fresh_frames`` needs the states copied first)
     root.forward = forward
     _rewrap(model)
 
