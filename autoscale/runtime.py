@@ -305,9 +305,14 @@ def _fresh_frames(root: nn.Module, memo: dict[int, Any]) -> None:
     share the original's frame, and its compiled graphs and their recompile limit with it
     (``announce_in_forward``)."""
     forward = root.__dict__.get("forward")
-    while isinstance(forward, functools.partial) and forward.func.__qualname__ == _announced.__qualname__:
+    while isinstance(forward, functools.partial) and _is_announced(forward.func):
         memo.setdefault(id(forward.func), _recoded(cast(types.FunctionType, forward.func)))
         forward = forward.args[2]  # (``inner``: an announcement made before, or None)
+
+
+def _is_announced(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is ``_announced`` or a ``_recoded`` one."""
+    return getattr(fn, "__module__", None) == __name__ and getattr(fn, "__qualname__", None) == _announced.__qualname__
 
 
 def _rewrap(model: nn.Module) -> None:

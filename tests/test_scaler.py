@@ -689,10 +689,7 @@ def test_more_models_than_dynamos_recompile_limit_each_get_a_graph(root: str, sc
             else:
                 compiled = torch.compile(model, backend=backend)
                 scaler = GradScaler(compiled)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            assert _train_steps(model, scaler, opt, compiled, x, y, 2) == [False, False]
-            assert len(backend.records) == 1, f"model {seed + 1} was not compiled"
-            assert scaler._state.graphs == 1  # type: ignore[union-attr]
+            _assert_trains_with_a_graph_of_its_own(model, scaler, compiled, backend, x, y)
 
 
 def test_more_copies_of_a_scaled_model_than_dynamos_recompile_limit_each_get_a_graph() -> None:
@@ -705,15 +702,21 @@ def test_more_copies_of_a_scaled_model_than_dynamos_recompile_limit_each_get_a_g
     model, (x,), y = mlp_case()
     GradScaler(model)
     with torch._dynamo.config.patch(recompile_limit=limit):
-        for n in range(limit + 1):
+        for _ in range(limit + 1):
             m = copy.deepcopy(model)
             scaler = GradScaler(m)
             backend = autoscale.backend()
-            compiled = torch.compile(m, backend=backend)
-            opt = torch.optim.SGD(m.parameters(), lr=0.1)
-            assert _train_steps(m, scaler, opt, compiled, x, y, 2) == [False, False]
-            assert len(backend.records) == 1, f"copy {n + 1} was not compiled"
-            assert scaler._state.graphs == 1  # type: ignore[union-attr]
+            _assert_trains_with_a_graph_of_its_own(m, scaler, torch.compile(m, backend=backend), backend, x, y)
+
+
+def _assert_trains_with_a_graph_of_its_own(model: nn.Module, scaler: GradScaler, compiled: nn.Module,
+                                           backend: autoscale.Backend, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Two steps, none skipped, through one graph that ``backend`` compiled and ``scaler`` uses
+    (not the eager fallback Dynamo takes past its recompile limit)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert _train_steps(model, scaler, opt, compiled, x, y, 2) == [False, False]
+    assert len(backend.records) == 1, "the model was not compiled"
+    assert scaler._state.graphs == 1  # type: ignore[union-attr]
 
 
 @pytest.mark.gpu
