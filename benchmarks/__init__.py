@@ -8,11 +8,26 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from torch import nn
 
 Size = Literal["quick", "full", "large"]
 """How large a step benchmark's models are: ``--quick``, the default, or ``--large`` (GPU only)."""
 
 NOTES_HEADING = "## What the numbers say"
+
+
+class Autocast(nn.Module):
+    """``model`` under ``torch.autocast(device, float16)``, its output as float32: torch.amp's
+    forward, the baseline that compiles it (torch.compile of this module) is measured against."""
+
+    def __init__(self, model: nn.Module, device: str) -> None:
+        super().__init__()
+        self.model, self.device = model, device
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device, dtype=torch.float16):
+            out: torch.Tensor = self.model(*inputs)
+        return out.float()
 
 
 def notes_of(path: Path) -> str:

@@ -2,7 +2,8 @@
 # Every GPU check, in one call of a lent GPU machine (its lease is minutes: docs/results/gpu.md):
 #
 #     bash benchmarks/gpu_checks.sh [STEP...]   # steps: bandwidth overhead overhead_quick overhead_large
-#                                               # overhead_combo profile kernel_tests gpu_tests suite
+#                                               # overhead_combo profile compile kernel_tests gpu_tests
+#                                               # suite
 #                                               # (default: bandwidth overhead gpu_tests); logs and reports
 #                                               # under $OUT
 #
@@ -58,6 +59,10 @@ for name in "${steps[@]}"; do
     profile)
         step profile 120 "$py" -m benchmarks.step_profile --device cuda --steps 3 --models MLP "transformer block"
         cp docs/results/step_profile_cuda.md "$out/" 2>/dev/null ;;
+    compile)  # cold and warm compile times against torch.compile + autocast (benchmarks.compile_time)
+        step compile 420 "$py" -m benchmarks.compile_time --end-to-end --device cuda \
+            --models "T5 3+3" "transformer block (overhead --quick)"
+        cp docs/results/compile_time_models_cuda.md "$out/" 2>/dev/null ;;
     kernel_tests)  # the kernel's tests alone, run natively
         step kernel_tests 60 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py ;;
     gpu_tests)  # the GPU-marked tests, and the kernel's tests run natively

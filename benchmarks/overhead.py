@@ -65,7 +65,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoscale
-from benchmarks import Size, publish, size_of, step_parser
+from benchmarks import Autocast, Size, publish, size_of, step_parser
 from benchmarks.host_reads import HostReads
 from benchmarks.numerics.tasks import Block
 
@@ -111,19 +111,6 @@ def transformer(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 MODELS: dict[str, Callable[[Size], tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {
     "MLP": mlp, "CNN": cnn, "transformer block": transformer}
-
-
-class _Autocast(nn.Module):
-    """``model`` under torch.autocast(float16): the baseline's forward on CUDA."""
-
-    def __init__(self, model: nn.Module, device: str) -> None:
-        super().__init__()
-        self.model, self.device = model, device
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device, dtype=torch.float16):
-            out: torch.Tensor = self.model(x)
-        return out.float()
 
 
 class _NoScaler:
@@ -196,7 +183,7 @@ def _methods(model: nn.Module, device: str, *, references: bool = True) -> dict[
     a, a0, b, b2 = (copy.deepcopy(model).to(device) for _ in range(4))
 
     def baseline(m: nn.Module) -> _Method:
-        run = torch.compile(_Autocast(m, device)) if device == "cuda" else torch.compile(m, backend="autoscale")
+        run = torch.compile(Autocast(m, device)) if device == "cuda" else torch.compile(m, backend="autoscale")
         return _Method(run, torch.amp.GradScaler(device), m)
 
     unwatched = autoscale.Config(overflow=autoscale.OverflowConfig(watch=False))
