@@ -39,7 +39,7 @@ from torch.fx import GraphModule
 import autoscale
 from autoscale.passes import PIPELINE, run_stage
 from autoscale.passes.analyze_underflow import seed_inputs
-from benchmarks import Autocast, results_path, write_report
+from benchmarks import Autocast, machine_line, results_path, write_report
 
 
 def chain(layers: int) -> tuple[nn.Module, torch.Tensor]:
@@ -218,14 +218,10 @@ def end_to_end(models: tuple[str, ...], device: str) -> str:
                         + " / ".join(str(int(times[m]["kernels"])) for m in E2E_METHODS) + " | "
                         + " / ".join(f"{times[m]['steady'] * 1e3:.0f} ms" for m in E2E_METHODS) + " |")
             table.append(row)
-    return (f"# Compile time, end to end\n\n{END_TO_END}\n\nMachine: {device}, {_machine(device)}.\n\n"
+    machine = (f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+               if device == "cuda" else machine_line())
+    return (f"# Compile time, end to end\n\n{END_TO_END}\n\nMachine: {machine}.\n\n"
             "Cold:\n\n" + "\n".join(cold) + "\n\nWarm:\n\n" + "\n".join(warm) + "\n")
-
-
-def _machine(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
-    return f"{torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def main() -> None:
