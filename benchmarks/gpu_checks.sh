@@ -9,7 +9,8 @@
 #
 # Runs under the machine's own python3 (PYTHON=... to change) after an editable install without
 # dependencies (the backend's entry point needs it). Each step has a time limit, so one that hangs
-# leaves the others their time; each step's log and report land in $OUT (default ./gpu_out).
+# leaves the others their time; each step's log and report land in $OUT (default ./gpu_out). The
+# overhead steps run 2 runs (one made in each order: benchmarks/overhead.py), each compiling afresh.
 set -u
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -45,16 +46,16 @@ for name in "${steps[@]}"; do
         step bandwidth 90 "$py" -m benchmarks.kernel_bandwidth --sweep
         cp docs/results/kernels.md "$out/" ;;
     overhead)
-        step overhead 240 "$py" -m benchmarks.overhead --device cuda
+        step overhead 240 "$py" -m benchmarks.overhead --device cuda --runs 2
         cp docs/results/overhead_cuda.md "$out/" 2>/dev/null ;;
     overhead_quick)
-        step overhead_quick 180 "$py" -m benchmarks.overhead --device cuda --quick
+        step overhead_quick 180 "$py" -m benchmarks.overhead --device cuda --quick --runs 2
         cp docs/results/overhead_quick_cuda.md "$out/" 2>/dev/null ;;
     overhead_large)  # models whose steps the GPU's arithmetic bounds (benchmarks.overhead --large)
-        step overhead_large 330 "$py" -m benchmarks.overhead --device cuda --large
+        step overhead_large 330 "$py" -m benchmarks.overhead --device cuda --large --runs 2
         cp docs/results/overhead_large_cuda.md "$out/" 2>/dev/null ;;
     overhead_combo)  # every method with Inductor's combo kernels (independent kernels in one launch)
-        step overhead_combo 240 "$py" -m benchmarks.overhead --device cuda --inductor combo_kernels=True \
+        step overhead_combo 240 "$py" -m benchmarks.overhead --device cuda --runs 2 --inductor combo_kernels=True \
             -o "$out/overhead_combo_cuda.md" ;;
     profile)
         step profile 120 "$py" -m benchmarks.step_profile --device cuda --steps 3 --models MLP "transformer block"

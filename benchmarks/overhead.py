@@ -32,13 +32,25 @@ GEMMs, about 100x slower on this CPU, and would compare emulation with something
 per-layer scaling costs over torch.amp's GradScaler on the same mixed-precision graph.
 
 Every step is the torch.amp loop (zero_grad, forward and loss under ``scale``, backward, ``step``,
-``update``) with plain SGD. Each run measures every method in interleaved rounds (every method
-sees the same machine load) and reports the median step; ``--runs`` repeats that, after one
-compile, and the ratios are given per run and as their median. The order of the methods rotates
-from round to round, and each method's turn starts with an untimed step (a training loop runs one
-model, warm). Every method compiles afresh, with Inductor's and AOTAutograd's caches off: a copy
-whose graph the caches served, after another copy had compiled it in the same process, timed 2-3%
-faster (the A/A control read 0.97 in every run; with the caches off, 0.99-1.00).
+``update``) with plain SGD. Each run makes a fresh copy of the model for every method, compiles
+them, and measures every method in interleaved rounds (every method sees the same machine load),
+reporting the median step; ``--runs`` repeats that, and the ratios are given per run and as their
+median. Each method's turn starts with an untimed step (a training loop runs one model, warm).
+Two orders are balanced, because each moved the A/A control by more than the targets' margins:
+* Each round takes the methods in another order, from a design in which every method takes every
+  position, and comes right after every other method, equally often (``balanced_orders``): a
+  method's time depends on the method run just before it. Rotating one order from round to
+  round, as this benchmark did until 2026-11-28, kept every method's predecessor: (b') came
+  right after (b) in every round, and the A/A control read 0.976-0.993 in eleven ``--quick``
+  invocations out of eleven (1.022 and 1.027 in two with the order reversed; 1.001 and 0.998 in
+  two with every round shuffled at random).
+* The copies are made and compiled in the order of the list above, and in the reverse order on
+  every other run (so ``--runs`` is even by default): with the rounds balanced, the A/A control
+  still read 1.011 and 1.009 in two invocations with the copies made once, in that order;
+  alternating, 1.005 and 1.008 in two.
+Every method compiles afresh, with Inductor's and AOTAutograd's caches off: a copy whose graph the
+caches served, after another copy had compiled it in the same process, timed 2-3% faster (the A/A
+control read 0.97 in every run; with the caches off, 0.99-1.00).
 Also reported: the median time of each phase of a step (what a difference is made of; on a GPU,
 timed in separate steps with a sync between phases, which the timed steps do not have), and the
 host's reads of device values in a steady-state ``step()`` + ``update()`` (each is a sync on a GPU;
@@ -51,9 +63,11 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import gc
 import math
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -73,6 +87,9 @@ PHASES = ("forward", "backward", "step", "update")
 A, A_UNWATCHED, B = "(a) autoscale", "(a') autoscale, no forward checks", "(b) compiled fp16 + torch.amp.GradScaler"
 A_FUSED = "(a'') autoscale, points in the fused Triton kernel"
 B_AGAIN = "(b') the same, a second copy"
+C, D = "(c) torch.compile fp32", "(d) eager fp32"
+ORDER = (A, A_UNWATCHED, B, B_AGAIN, C, D, A_FUSED)
+"""The methods in the order of the docstring's list, which is the report's."""
 RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_FUSED, "a''/b"), (B_AGAIN, "b'/b"))  # (method, column) over (b)
 
 
@@ -176,38 +193,40 @@ def _synced(device: str) -> float:
     return time.perf_counter()
 
 
-def _methods(model: nn.Module, device: str, *, references: bool = True) -> dict[str, _Method]:
-    """The methods timed on ``model`` (the module's docstring); ``references``: with the float32
-    ones, (c) and (d), which are no part of a/b (``--large`` leaves them out: in float32 its steps
-    take ten times as long)."""
-    a, a0, b, b2 = (copy.deepcopy(model).to(device) for _ in range(4))
+def _methods(model: nn.Module, device: str, *, references: bool = True, reverse: bool = False
+             ) -> dict[str, _Method]:
+    """The methods timed on ``model`` (the module's docstring), each on a copy of its own, in the
+    order the copies were made: the docstring's, or its reverse with ``reverse``. ``references``:
+    with the float32 ones, (c) and (d), which are no part of a/b (``--large`` leaves them out: in
+    float32 its steps take ten times as long)."""
+
+    def autoscale_on(config: autoscale.Config | None) -> Callable[[nn.Module], _Method]:
+        backend = "autoscale" if config is None else autoscale.backend(config)
+        return lambda m: _Method(torch.compile(m, backend=backend), None, m)
 
     def baseline(m: nn.Module) -> _Method:
         run = torch.compile(Autocast(m, device)) if device == "cuda" else torch.compile(m, backend="autoscale")
         return _Method(run, torch.amp.GradScaler(device), m)
 
-    unwatched = autoscale.Config(overflow=autoscale.OverflowConfig(watch=False))
-    methods = {
-        A: _Method(torch.compile(a, backend="autoscale"), None, a),
-        A_UNWATCHED: _Method(torch.compile(a0, backend=autoscale.backend(unwatched)), None, a0),
-        B: baseline(b),
-        B_AGAIN: baseline(b2),
+    makers: dict[str, Callable[[nn.Module], _Method]] = {
+        A: autoscale_on(None),
+        A_UNWATCHED: autoscale_on(autoscale.Config(overflow=autoscale.OverflowConfig(watch=False))),
+        B: baseline,
+        B_AGAIN: baseline,
     }
     if references:
-        c, d = (copy.deepcopy(model).to(device) for _ in range(2))
-        methods |= {"(c) torch.compile fp32": _Method(torch.compile(c), _NoScaler(), c),
-                    "(d) eager fp32": _Method(d, _NoScaler(), d)}
+        makers |= {C: lambda m: _Method(torch.compile(m), _NoScaler(), m), D: lambda m: _Method(m, _NoScaler(), m)}
     if device == "cuda":  # (the fused kernel runs on CUDA only)
-        a2 = copy.deepcopy(model).to(device)
-        fused = autoscale.Config(scaling=autoscale.ScalingConfig(point_kernel="fused"))
-        methods[A_FUSED] = _Method(torch.compile(a2, backend=autoscale.backend(fused)), None, a2)
-    return methods
+        makers[A_FUSED] = autoscale_on(autoscale.Config(scaling=autoscale.ScalingConfig(point_kernel="fused")))
+    order = list(makers)[::-1] if reverse else list(makers)
+    return {label: makers[label](copy.deepcopy(model).to(device)) for label in order}
 
 
 class Result:
     """One model's measurements: step medians per run, phase medians, host reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds  # interleaved rounds in each run
         self.steps: list[dict[str, float]] = []  # per run: method -> median step (s)
         self.phases: dict[str, dict[str, float]] = {}  # method -> phase -> median (s)
         self.reads: dict[str, tuple[int, int]] = {}  # method -> (plain, fused)
@@ -215,25 +234,33 @@ class Result:
 
 def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: str,
             inductor: Mapping[str, Any] | None = None) -> Result:
-    """``name``'s step times, phases and host reads; ``inductor``: Inductor options every method
-    compiles under (``--inductor``)."""
+    """``name``'s step times, phases and host reads, in ``runs`` runs of at least ``rounds`` rounds
+    (as many more as make whole ``balanced_orders`` designs), each run on fresh copies made in the
+    reverse order every other run; ``inductor``: Inductor options every method compiles under
+    (``--inductor``)."""
     torch.manual_seed(0)
     model, x, y = MODELS[name](size)
     x, y = x.to(device), y.to(device)
-    methods = _methods(model, device, references=size != "large")
-    # (every method compiles afresh: a graph served from the caches runs faster; see the docstring)
-    with (torch._inductor.config.patch({"fx_graph_cache": False, **(inductor or {})}),
-          torch._functorch.config.patch(enable_autograd_cache=False)):
-        for method in methods.values():
-            for _ in range(3):  # compile and warm up
-                method.step(x, y, device=device)
-    result = Result()
-    phases: dict[str, dict[str, list[float]]] = {label: {p: [] for p in PHASES} for label in methods}
-    labels = list(methods)
-    for _ in range(runs):
-        times: dict[str, list[float]] = {label: [] for label in methods}
-        for i in range(rounds):  # interleaved: every method sees the same machine load
-            for label in labels[i % len(labels):] + labels[:i % len(labels)]:  # (each in every position in turn)
+    phases: dict[str, dict[str, list[float]]] = defaultdict(lambda: {p: [] for p in PHASES})
+    methods: dict[str, _Method] = {}
+    result = Result(rounds)
+    for run in range(runs):
+        methods.clear()  # (the last run's copies, freed before the next are made)
+        gc.collect()
+        torch._dynamo.reset()  # (and their graphs: Dynamo would count them against its recompile limit)
+        methods.update(_methods(model, device, references=size != "large", reverse=run % 2 == 1))
+        # (every method compiles afresh: a graph served from the caches runs faster; see the docstring)
+        with (torch._inductor.config.patch({"fx_graph_cache": False, **(inductor or {})}),
+              torch._functorch.config.patch(enable_autograd_cache=False)):
+            for method in methods.values():  # (in the order the copies were made)
+                for _ in range(3):  # compile and warm up
+                    method.step(x, y, device=device)
+        labels = sorted(methods, key=ORDER.index)
+        orders = balanced_orders(len(labels))
+        result.rounds = -(-rounds // len(orders)) * len(orders)  # (18 for the CPU's 6 methods)
+        times: dict[str, list[float]] = {label: [] for label in labels}
+        for i in range(result.rounds):  # interleaved: every method sees the same machine load
+            for label in (labels[k] for k in orders[i % len(orders)]):
                 method = methods[label]
                 method.step(x, y, device=device)  # (untimed: the first step after another method's is cold)
                 start = _synced(device)
@@ -243,7 +270,7 @@ def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: s
         result.steps.append({label: statistics.median(t) for label, t in times.items()})
     if device != "cpu":
         for label, method in methods.items():
-            for _ in range(rounds):
+            for _ in range(result.rounds):
                 method.step(x, y, phases[label], device=device)
     result.phases = {label: {p: statistics.median(v) for p, v in ph.items()} for label, ph in phases.items()}
     for label in (A, A_UNWATCHED, B):
@@ -252,13 +279,33 @@ def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: s
     return result
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``range(n)`` for the rounds (a Williams design): over them, every index takes
+    every position, and comes right after every other index, equally often (once each, in ``n``
+    orders; for odd ``n``, twice, in ``2n``).
+
+    Why: a method's time depends on the method run just before it. With (b') right after (b) in
+    every round, the A/A control read 0.98-0.99; with (b) right after (b'), 1.02-1.03; with the
+    rounds shuffled, 1.00. A rotation of one order keeps every method's predecessor, and with it
+    that bias."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        if len(first) % 2:
+            first, low = [*first, low], low + 1
+        else:
+            first, high = [*first, high], high - 1
+    orders = [[(k + shift) % n for k in first] for shift in range(n)]
+    return orders + [order[::-1] for order in orders] if n % 2 and n > 1 else orders
+
+
 def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def report(results: dict[str, Result], *, size: Size, runs: int, rounds: int, steps: int, device: str,
+def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, device: str,
            inductor: Mapping[str, Any] | None = None) -> str:
     labels = list(next(iter(results.values())).steps[0])
+    rounds = next(iter(results.values())).rounds
     ratios_of = [(label, column) for label, column in RATIOS if label in labels]
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
     columns = " | ".join(column for _, column in ratios_of)
@@ -307,9 +354,11 @@ def report(results: dict[str, Result], *, size: Size, runs: int, rounds: int, st
 
 
 def main() -> None:
-    parser = step_parser(__doc__, "overhead", "small models (2-3 ms steps; about 3 minutes)",
+    parser = step_parser(__doc__, "overhead", "small models (1-3 ms steps; about 2 minutes)",
                          "models whose steps a GPU's arithmetic bounds, not the host's launches (GPU only)")
-    parser.add_argument("--runs", type=int, default=3, help="measurement runs after one compile (default 3)")
+    parser.add_argument("--runs", type=int, default=4,
+                        help="measurement runs, each on fresh copies, made in the reverse order every other run "
+                             "(default 4)")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of torch._inductor.config that every method, the baseline's too, compiles "
                              "under (repeatable; e.g. combo_kernels=True); needs -o")
@@ -322,7 +371,7 @@ def main() -> None:
         parser.error("--inductor changes what is measured: name its report with -o, not the default one")
     rounds, steps = 15, 5
     results = {name: measure(name, size, args.runs, rounds, steps, args.device, inductor) for name in MODELS}
-    publish(report(results, size=size, runs=args.runs, rounds=rounds, steps=steps, device=args.device,
+    publish(report(results, size=size, runs=args.runs, steps=steps, device=args.device,
                    inductor=inductor),
             "overhead", args)
 

@@ -1,8 +1,11 @@
-"""The overhead benchmark's model sizes (``benchmarks.overhead``): ``--large`` is what it says."""
+"""The overhead benchmark (``benchmarks.overhead``): ``--large`` is what it says, the rounds' orders are
+balanced, the options are refused or reported."""
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
+from itertools import pairwise
 
 import pytest
 import torch
@@ -76,6 +79,33 @@ def test_every_method_compiles_under_the_inductor_options(monkeypatch: pytest.Mo
                               inductor={"max_autotune_pointwise": True})
     assert seen[:3 * len(result.steps[0])] == [True] * (3 * len(result.steps[0]))  # (the compiles and warm-ups)
     assert not torch._inductor.config.max_autotune_pointwise  # (restored)
-    text = overhead.report({"MLP": result}, size="quick", runs=1, rounds=1, steps=1, device="cpu",
+    text = overhead.report({"MLP": result}, size="quick", runs=1, steps=1, device="cpu",
                            inductor={"max_autotune_pointwise": True})
     assert "every method compiled with Inductor's max_autotune_pointwise=True" in text
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_the_rounds_orders_balance_positions_and_predecessors(n: int) -> None:
+    """Over one design, every method takes every position, and comes right after every other
+    method, equally often: a method's time depends on the method run just before it, and a
+    rotation of one order keeps every method's predecessor in every round."""
+    orders = overhead.balanced_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    assert len(orders) == (2 * n if n % 2 and n > 1 else n)
+    positions = Counter((k, i) for order in orders for i, k in enumerate(order))
+    assert set(positions.values()) == {len(orders) // n}
+    pairs = _successions(orders)
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+
+
+def test_a_rotation_of_one_order_would_not_balance_predecessors() -> None:
+    """The test above can fail: the rotation the benchmark used before keeps each predecessor."""
+    n = 6
+    rotations = [[(k + shift) % n for k in range(n)] for shift in range(n)]
+    pairs = _successions(rotations)
+    assert len(pairs) < n * (n - 1)
+
+
+def _successions(orders: list[list[int]]) -> Counter[tuple[int, int]]:
+    """How often each method comes right after each other, over ``orders``."""
+    return Counter(pair for order in orders for pair in pairwise(order))
