@@ -36,13 +36,13 @@ Every step is the torch.amp loop (zero_grad, forward and loss under ``scale``, b
 them, and measures every method in interleaved rounds (every method sees the same machine load),
 reporting the median step; ``--runs`` repeats that, and the ratios are given per run and as their
 median. Each method's turn starts with an untimed step (a training loop runs one model, warm).
-Two orders are balanced, because each moved the A/A control by more than the targets' margins:
+Two orders are balanced, because each moved the A/A control by 1-3%, as much as a/b is from 1:
 * Each round takes the methods in another order, from a design in which every method takes every
   position, and comes right after every other method, equally often (``balanced_orders``): a
   method's time depends on the method run just before it. Rotating one order from round to
   round, as this benchmark did until 2026-11-28, kept every method's predecessor: (b') came
-  right after (b) in every round, and the A/A control read 0.976-0.993 in eleven ``--quick``
-  invocations out of eleven (1.022 and 1.027 in two with the order reversed; 1.001 and 0.998 in
+  right after (b) in every round, and the A/A control read 0.976-0.993 in thirteen ``--quick``
+  invocations out of thirteen (1.022 and 1.027 in two with the order reversed; 1.001 and 0.998 in
   two with every round shuffled at random).
 * The copies are made and compiled in the order of the list above, and in the reverse order on
   every other run (so ``--runs`` is even by default): with the rounds balanced, the A/A control
