@@ -57,8 +57,8 @@ def _real(owner: str, name: str, value: object, ok: Callable[[float], bool], wha
 class ScalingConfig:
     """Gradient-scaling settings (DESIGN.md §4).
 
-    ``GradScaler`` reads the runtime settings (mode, rule, margin, update_every, the caps and the
-    dynamic-mode knobs); the backend reads the compile-time ones (``placement``, ``gamma``,
+    ``GradScaler`` reads the runtime settings (mode, rule, margin, update_every, measure_every, the
+    caps and the dynamic-mode knobs); the backend reads the compile-time ones (``placement``, ``gamma``,
     ``calibrate``, ``point_kernel``, and ``margin`` for the initial scales) from ``Config.scaling``.
 
     mode:       "adaptive" (per-layer scales in the backward graph, the default), "dynamic" (one
@@ -83,6 +83,14 @@ class ScalingConfig:
                 launch-bound. The fused kernel reaches only 0.50-0.65 of a copy's bandwidth
                 (docs/results/kernels.md), so its single pass saves little on large gradients.
     update_every: recompute the adaptive scales every F steps (statistics accumulate in between).
+    measure_every: adaptive only, compiled models only. Measure the gradients at every M-th step
+                only (the first, then every M, and the one after a skipped step): the steps between
+                run a second graph, compiled at the first of them, whose points only multiply and
+                check the parameters' gradients for inf/nan, as torch.amp does. An overflow there is
+                skipped, and the next step measures to find the scale that made it. The scales then
+                follow the gradients every M steps. 1 measures every step; what M saves and costs is
+                in docs/scaling.md ("Steps that measure nothing"). (A module from
+                ``autoscale.convert`` measures every step.)
     scale_upper_bound: optional cap on any one scale.
     init_scale, growth_factor, backoff_factor, growth_interval: torch.amp.GradScaler's, for
                 "dynamic" (``init_scale`` is also the "static" scale). In "adaptive" mode,
@@ -100,6 +108,7 @@ class ScalingConfig:
     calibrate: bool = False
     point_kernel: Literal["inductor", "fused"] = "inductor"
     update_every: int = 1
+    measure_every: int = 1
     scale_upper_bound: float | None = None
     init_scale: float = 2.0**16
     growth_factor: float = 2.0
@@ -116,7 +125,7 @@ class ScalingConfig:
         owner = "ScalingConfig"
         _real(owner, "gamma", self.gamma, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
         _flag(owner, "calibrate", self.calibrate)
-        for name in ("margin", "update_every", "growth_interval", "hysteresis"):
+        for name in ("margin", "update_every", "measure_every", "growth_interval", "hysteresis"):
             _count(owner, name, getattr(self, name), 0 if name == "margin" else 1)
         for name in ("init_scale", "min_scale"):
             _real(owner, name, getattr(self, name), lambda v: 0.0 < v < math.inf, "a finite number > 0")

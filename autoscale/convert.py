@@ -306,6 +306,8 @@ def convert(model: nn.Module, example_inputs: tuple[Any, ...], *, config: Config
     if cfg.scaling.mode == "adaptive":
         install_state(model, moments=cfg.scaling.rule == "paper")
     gm, graph_inputs, user_output, graph_outputs = _capture(model, example_inputs)
+    if (found := attach_of(gm.graph)) is not None:  # (a converted graph measures every step: it is the only one)
+        found[0].update_arg(Attached._fields.index("measuring"), True)
     leaves, in_spec = pytree.tree_flatten(example_inputs)
     sources, constants = _map_inputs(model, leaves, graph_inputs)
     out_leaves, out_spec = pytree.tree_flatten(user_output)

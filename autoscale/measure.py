@@ -306,7 +306,7 @@ def _max_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
 
 def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
                    in_rows: tuple[int, ...], record_rows: tuple[int, ...], unscale: bool, moments: bool,
-                   fused: bool = False) -> torch.Tensor:
+                   fused: bool = False, *, blame: bool = True) -> torch.Tensor:
     """The backward of ``autoscale.ops.rescale``: the gradient it hands on; ``stats`` gets the
     point's measurements (``record``).
 
@@ -320,7 +320,11 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     it is measured after the unscale; CUDA's kernel reports apart what the unscale made, which
     only a float16 parameter's gradient can hold). So a gradient leaving through an unscale point
     is checked, and ``GradScaler.step`` skips the step. All of it is read from the point's one
-    value (``MODES``).
+    value (``MODES``). Without ``blame`` (an unscale point of a step that measures nothing:
+    ``ScalingConfig.measure_every``), a non-finite value is blamed on the loss row, whose scale no
+    update moves: the step is skipped and no layer backs off. Such a step cannot tell which scale
+    made it (a value the unmeasured points let through reaches the gradients of the layers after
+    the one that made it), so the scaler measures the next one.
     """
     out, m = scale_and_measure(grad, _scale_of(scales, out_rows), _scale_of(scales, in_rows), leaving=unscale,
                                moments=moments, zeros=unscale, fused=fused)
@@ -339,8 +343,9 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
         bounds.append(m.bound if read else math.inf)
 
     # (an unscale point's rows are its in_rows only: what the unscale made, its value marks as arrived)
-    blamed = dict.fromkeys(in_rows, ARRIVED)
-    if not unscale:
+    # (unblamed, a non-finite value is the loss row's: the update counts the skip and keeps the scale)
+    blamed = dict.fromkeys(in_rows if blame else (LOSS_ROW,), ARRIVED)
+    if not unscale and blame:
         blamed.update({row: BAD if row in blamed else MADE for row in out_rows})
     for row, mode in blamed.items():
         put(row, "nonfinite", m.peak, mode)

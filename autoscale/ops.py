@@ -15,7 +15,9 @@ layer's scale point (row 0 is the loss scale). A scale point is ``out_rows=(r,)`
 ``out_rows=(0,)`` with ``unscale`` set (that gradient leaves the graph, and its zeros are counted).
 A point that is not ``measured`` only multiplies: no statistics, no inf/nan check, no guard
 (``insert_grad_scaling``: the alignment of a float32 gradient, which a scale cannot overflow, where
-it is not the first measurement of a float16 one).
+it is not the first measurement of a float16 one; every point of a step that measures nothing,
+``ScalingConfig.measure_every``). An unscale point that is not measured still checks its output
+for inf/nan, for the step's skip alone: it blames no row and records nothing else.
 
 Statistics are normalized by the scale the gradient arrived with, so the update rule sees
 magnitudes at unit scale and needs no knowledge of the graph.
@@ -70,7 +72,7 @@ def gradient_max(float8: bool) -> float:
 
 @torch.library.custom_op("autoscale::attach", mutates_args=("stats", "peaks"))
 def attach(scales: torch.Tensor, stats: torch.Tensor, peaks: torch.Tensor, layout: str, moments: bool,
-           promoted: str, instance: str = "") -> None:
+           promoted: str, instance: str = "", measuring: bool = True) -> None:
     """Does nothing. ``GradScaler`` calls it at the top of the model's forward so that Dynamo lifts
     the state tensors into the graph as inputs; the backend finds it, reads ``layout`` (the layer
     of each row), ``moments`` (whether the scaler's rule needs Σ g and Σ g²) and ``promoted`` (the
@@ -78,12 +80,14 @@ def attach(scales: torch.Tensor, stats: torch.Tensor, peaks: torch.Tensor, layou
     guards on the strings, so a new promotion recompiles the graph: that is how a repair lands.
     ``instance`` names the state (``ScaleState.instance``) for the same reason: a copy of the model
     (``copy.deepcopy``) has a state of its own, and without it Dynamo's guards let the copy run the
-    graph compiled for the original, which the copy's scaler knows nothing of."""
+    graph compiled for the original, which the copy's scaler knows nothing of. ``measuring``: whether
+    this step's backward measures its gradients (``ScalingConfig.measure_every``); a step that does
+    not runs a graph compiled without the measurements, so Dynamo keeps one of each."""
 
 
 @attach.register_fake
 def _(scales: torch.Tensor, stats: torch.Tensor, peaks: torch.Tensor, layout: str, moments: bool,
-      promoted: str, instance: str = "") -> None:
+      promoted: str, instance: str = "", measuring: bool = True) -> None:
     return None
 
 
@@ -97,6 +101,7 @@ class Attached(NamedTuple):
     moments: bool
     promoted: str
     instance: str = ""
+    measuring: bool = True
 
 
 # The marker ops carry lists of names packed into one string (a custom op's schema has ``str``,
@@ -156,10 +161,10 @@ class _Rescale(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (scales,) = ctx.saved_tensors
-        if not ctx.measured:
-            out_rows, in_rows, *_ = ctx.rows
+        out_rows, in_rows, _, unscale, *_ = ctx.rows
+        if not ctx.measured and not unscale:
             return rescaled(grad, scales, out_rows, in_rows), *_NO_GRADS
-        return point_backward(grad, scales, ctx.stats, *ctx.rows), *_NO_GRADS
+        return point_backward(grad, scales, ctx.stats, *ctx.rows, blame=ctx.measured), *_NO_GRADS
 
 
 _NO_GRADS = (None,) * 9  # for rescale's arguments after x
@@ -170,10 +175,10 @@ def rescale(x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows
             moments: bool = False, fused: bool = False, measured: bool = True) -> torch.Tensor:
     """Identity forward; backward rescales the gradient and records its statistics (see the module).
     ``fused``: on CUDA, the backward runs the fused Triton kernel (``ScalingConfig.point_kernel="fused"``).
-    ``measured=False``: the backward only rescales (``record_rows`` must then be empty)."""
-    if not measured and (record_rows or unscale):
-        raise ValueError("a rescale point that is not measured records nothing and unscales nothing: "
-                         f"got record_rows={record_rows}, unscale={unscale}")
+    ``measured=False``: the backward only rescales, or, unscaling, only checks for inf/nan
+    (``record_rows`` must then be empty)."""
+    if not measured and record_rows:
+        raise ValueError(f"a rescale point that is not measured records nothing: got record_rows={record_rows}")
     out: torch.Tensor = _Rescale.apply(x, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused,
                                        measured)
     return out

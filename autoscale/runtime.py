@@ -61,6 +61,9 @@ class ScaleState:
         self.layers: tuple[str, ...] = (_LOSS_NAME, *layer_names)
         self.layout = LAYOUT_SEP.join(self.layers)
         self.instance = _new_instance()  # (``autoscale.ops.attach``: a graph per state, copies included)
+        # whether the coming step's backward measures its gradients (``ScalingConfig.measure_every``;
+        # the GradScaler sets it): the forward announces it, and a graph is compiled for each value
+        self.measuring = True
         device = next((p.device for p in root.parameters()), torch.device("cpu"))
         scales = torch.ones(len(self.layers), device=device)  # the backend seeds layers from its analysis
         root.register_buffer(_SCALES, scales, persistent=False)
@@ -264,7 +267,7 @@ def _attach(m: nn.Module) -> None:
     """``install_state``'s announcement: ``m``'s state, looked up on ``m`` (a copy has its own)."""
     state = getattr(m, _STATE_ATTR)
     torch.ops.autoscale.attach(getattr(m, _SCALES), getattr(m, _STATS), getattr(m, _PEAKS), state.layout,
-                               state.moments, state.forward.promoted_key, state.instance)
+                               state.moments, state.forward.promoted_key, state.instance, state.measuring)
 
 
 def announce_in_forward(model: nn.Module, announce: Callable[[nn.Module], None]) -> None:

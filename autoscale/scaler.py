@@ -53,7 +53,7 @@ _Outputs = TypeVar("_Outputs", torch.Tensor, Iterable[torch.Tensor])
 _MEASURED = [STAT[c] for c in ("nonfinite", "amax", "count", "numel")]  # a row with any of these was measured
 # GradScaler's tensors that live on the model's device (``GradScaler._follow``)
 _OWN_TENSORS = ("_loss_scale", "_growth_tracker", "_hysteresis", "_overflows", "_last_stats", "_found_inf", "_skips",
-                "_last_skipped", "_snapshot")
+                "_last_skipped", "_snapshot", "_measured_stats")
 
 
 class _Stage(Enum):
@@ -144,6 +144,11 @@ class GradScaler:
         self._multiplies = cfg.mode not in ("none", "adaptive")
         self._streak = 0  # consecutive steps non-finite with nothing left to promote
         self._events: dict[str, Any] = {}  # this step's forward-overflow findings, for telemetry
+        # the statistics of the last update after a step that measured (``layers()``), kept apart
+        # when steps in between measure nothing (``measure_every``): their updates' hold none
+        self._measured_stats: torch.Tensor | None = None
+        self._remeasure = False  # the host saw a skipped step: measure the next one (``_measure_next``)
+        self._measure_next()
 
     # ------------------------------------------------------------------ torch.amp interface
 
@@ -259,7 +264,12 @@ class GradScaler:
                 self._collect()
                 snapshot = self._update_adaptive()
             self._watch_forward(snapshot)
+            assert self._state is not None and self._last_stats is not None
+            if self.config.measure_every > 1 and self._state.measuring and (
+                    (self._steps + 1) % self.config.update_every == 0):
+                self._measured_stats = self._last_stats.clone()
             overflow: torch.Tensor | bool = self._last_skipped if self._decided is None else self._decided
+            self._remeasure |= bool(self._decided)
         else:
             overflow = self._overflowed()
             self._skips += overflow
@@ -274,6 +284,7 @@ class GradScaler:
             self._found_inf.zero_()
             self._last_skipped.copy_(overflow > 0)
         self._steps += 1
+        self._measure_next()
         if self._telemetry is not None:
             self._write_telemetry(overflow)
         self._stages.clear()
@@ -340,6 +351,18 @@ class GradScaler:
         self._overflows.copy_(state["overflows"])
         self._skips.copy_(state["skips"])
         self._steps = int(state["steps"])
+        self._measure_next()
+
+    def _measure_next(self) -> None:
+        """Tell the model's forward whether the coming step measures its gradients: the first, every
+        ``measure_every``-th after it, and the next after a skipped step the host has seen (at once
+        where ``step()`` read the flag, else when the snapshot arrives: ``_watch_forward``), so that
+        the scale that overflowed is found and backed off (a step that measures nothing blames no
+        row: ``insert_grad_scaling``'s ``lighten``). The graph for each value is compiled at its
+        first use."""
+        if self._state is not None:
+            self._state.measuring = self._remeasure or self._steps % self.config.measure_every == 0
+        self._remeasure = False
 
     # -------------------------------------------------------------------------- reporting
 
@@ -347,7 +370,8 @@ class GradScaler:
         """Per layer that has gradient statistics: name, scale, weight-gradient zero rate, overflows."""
         if self._state is None:
             return []
-        stats, scales, overflows = self._last_stats.cpu(), self._state.scales.cpu(), self._overflows.cpu()  # type: ignore[union-attr]
+        measured = self._measured_stats if self._measured_stats is not None else self._last_stats
+        stats, scales, overflows = measured.cpu(), self._state.scales.cpu(), self._overflows.cpu()  # type: ignore[union-attr]
         forward = self._state.forward
         promoted: dict[str, list[str]] = {}
         for site in forward.float32_sites():
@@ -476,8 +500,8 @@ class GradScaler:
         constants = self._update_constants()
         peaks = state.peaks
         forward.follow(peaks.device)
-        # (without sites nothing reads the snapshot: it goes to a scratch tensor, not to the host)
-        snapshot = self._mirror.destination(len(self._snapshot), peaks.device) if forward.sites else self._snapshot
+        # (without sites, and with every step measured, nothing reads the snapshot: it goes to a scratch tensor)
+        snapshot = self._mirror.destination(len(self._snapshot), peaks.device) if self._mirrored else self._snapshot
         tensors = UpdateTensors(state.scales, state.stats, self._last_stats, self._overflows, self._skips,
                                 self._found_inf, self._last_skipped, peaks, forward.alarm_low,
                                 forward.alarm_high, forward.outputs, snapshot)
@@ -487,8 +511,14 @@ class GradScaler:
                                        due=due, **constants)
         steady = cfg.update_every == 1 and bound is None and not state.graph_stats and self._world() == 1
         self._bound = None if compiled is None or not steady else _Bound(
-            compiled, tuple(tensors[:-1]), state.graphs, len(self._snapshot) if forward.sites else None)
+            compiled, tuple(tensors[:-1]), state.graphs, len(self._snapshot) if self._mirrored else None)
         return snapshot
+
+    @property
+    def _mirrored(self) -> bool:
+        """Whether the update's snapshot goes to the host: for the forward's sites, and for the skip
+        flag alone when steps between measured ones measure nothing (``_measure_next``)."""
+        return self._state is not None and (bool(self._state.forward.sites) or self.config.measure_every > 1)
 
     def _update_bound(self) -> torch.Tensor | None:
         """The steady state's update: the compiled update on the tensors the last full update bound,
@@ -541,7 +571,7 @@ class GradScaler:
         skipped step is no steady state, and the repair should not wait for another one.
         """
         assert self._state is not None
-        if not self._state.forward.sites:
+        if not self._mirrored:
             return
         step = self._steps + 1  # (numbered from 1, as the telemetry does)
         if self._decided and snapshot.device.type != "cpu":
@@ -556,7 +586,8 @@ class GradScaler:
 
     def _read_snapshot(self, host: torch.Tensor, alarm: float, skipped: float, *, step: int) -> None:
         """Act on the snapshot ``host`` if its flags (its last two values) say so."""
-        if alarm or skipped:
+        self._remeasure |= bool(skipped)
+        if (alarm or skipped) and self._state is not None and self._state.forward.sites:
             self._act(host[:-2], skipped=bool(skipped), step=step)
         else:
             self._streak = 0

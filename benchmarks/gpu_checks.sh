@@ -2,8 +2,8 @@
 # Every GPU check, in one call of a lent GPU machine (its lease is minutes: docs/results/gpu.md):
 #
 #     bash benchmarks/gpu_checks.sh [STEP...]   # steps: bandwidth overhead overhead_quick overhead_large
-#                                               # overhead_combo profile compile kernel_tests gpu_tests
-#                                               # suite
+#                                               # overhead_m16 overhead_combo profile compile kernel_tests
+#                                               # gpu_tests suite
 #                                               # (default: bandwidth overhead gpu_tests); logs and reports
 #                                               # under $OUT
 #
@@ -54,6 +54,9 @@ for name in "${steps[@]}"; do
     overhead_large)  # models whose steps the GPU's arithmetic bounds (benchmarks.overhead --large)
         step overhead_large 330 "$py" -m benchmarks.overhead --device cuda --large --runs 2
         cp docs/results/overhead_large_cuda.md "$out/" 2>/dev/null ;;
+    overhead_m16)  # (a) and (a') measuring every 16th step only (ScalingConfig.measure_every)
+        step overhead_m16 330 "$py" -m benchmarks.overhead --device cuda --runs 2 --measure-every 16 \
+            -o "$out/overhead_m16_cuda.md" ;;
     overhead_combo)  # every method with Inductor's combo kernels (independent kernels in one launch)
         step overhead_combo 240 "$py" -m benchmarks.overhead --device cuda --runs 2 --inductor combo_kernels=True \
             -o "$out/overhead_combo_cuda.md" ;;

@@ -4,6 +4,11 @@
                                   # writes docs/results/overhead[_quick|_large][_cuda].md
     python -m benchmarks.overhead --inductor combo_kernels=True -o FILE [...]
                                   # every method compiled with an Inductor option (repeatable)
+    python -m benchmarks.overhead --measure-every M -o FILE [...]
+                                  # (a) and (a') measure their gradients every M steps only
+                                  # (ScalingConfig.measure_every); each round then times a whole
+                                  # number of M-step periods, so that every timed window holds
+                                  # its share of measured steps
 
 Sizes: ``--quick`` (2-3 ms steps on the 2-core CPU), the default (full), and ``--large``, for a GPU
 only. On a GPU the full models' steps are bound by the host's kernel launches: an H200 runs their
@@ -63,6 +68,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import dataclasses
 import gc
 import math
 import statistics
@@ -193,16 +199,23 @@ def _synced(device: str) -> float:
     return time.perf_counter()
 
 
-def _methods(model: nn.Module, device: str, *, references: bool = True, reverse: bool = False
-             ) -> dict[str, _Method]:
+def _methods(model: nn.Module, device: str, *, references: bool = True, reverse: bool = False,
+             measure_every: int = 1) -> dict[str, _Method]:
     """The methods timed on ``model`` (the module's docstring), each on a copy of its own, in the
     order the copies were made: the docstring's, or its reverse with ``reverse``. ``references``:
     with the float32 ones, (c) and (d), which are no part of a/b (``--large`` leaves them out: in
-    float32 its steps take ten times as long)."""
+    float32 its steps take ten times as long). ``measure_every``: autoscale's
+    ``ScalingConfig.measure_every``."""
 
     def autoscale_on(config: autoscale.Config | None) -> Callable[[nn.Module], _Method]:
+        scaling = None
+        if measure_every != 1:
+            config = config or autoscale.Config()
+            scaling = dataclasses.replace(config.scaling, measure_every=measure_every)
+            config = dataclasses.replace(config, scaling=scaling)
         backend = "autoscale" if config is None else autoscale.backend(config)
-        return lambda m: _Method(torch.compile(m, backend=backend), None, m)
+        return lambda m: _Method(torch.compile(m, backend=backend),
+                                 None if scaling is None else autoscale.GradScaler(m, scaling), m)
 
     def baseline(m: nn.Module) -> _Method:
         run = torch.compile(Autocast(m, device)) if device == "cuda" else torch.compile(m, backend="autoscale")
@@ -233,11 +246,11 @@ class Result:
 
 
 def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: str,
-            inductor: Mapping[str, Any] | None = None) -> Result:
+            inductor: Mapping[str, Any] | None = None, measure_every: int = 1) -> Result:
     """``name``'s step times, phases and host reads, in ``runs`` runs of at least ``rounds`` rounds
     (as many more as make whole ``balanced_orders`` designs), each run on fresh copies made in the
     reverse order every other run; ``inductor``: Inductor options every method compiles under
-    (``--inductor``)."""
+    (``--inductor``); ``measure_every``: autoscale's ``ScalingConfig.measure_every``."""
     torch.manual_seed(0)
     model, x, y = MODELS[name](size)
     x, y = x.to(device), y.to(device)
@@ -248,7 +261,8 @@ def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: s
         methods.clear()  # (the last run's copies, freed before the next are made)
         gc.collect()
         torch._dynamo.reset()  # (and their graphs: Dynamo would count them against its recompile limit)
-        methods.update(_methods(model, device, references=size != "large", reverse=run % 2 == 1))
+        methods.update(_methods(model, device, references=size != "large", reverse=run % 2 == 1,
+                                measure_every=measure_every))
         # (every method compiles afresh: a graph served from the caches runs faster; see the docstring)
         with (torch._inductor.config.patch({"fx_graph_cache": False, **(inductor or {})}),
               torch._functorch.config.patch(enable_autograd_cache=False)):
@@ -303,7 +317,7 @@ def _geomean(values: list[float]) -> float:
 
 
 def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, device: str,
-           inductor: Mapping[str, Any] | None = None) -> str:
+           inductor: Mapping[str, Any] | None = None, measure_every: int = 1) -> str:
     labels = list(next(iter(results.values())).steps[0])
     rounds = next(iter(results.values())).rounds
     ratios_of = [(label, column) for label, column in RATIOS if label in labels]
@@ -337,6 +351,8 @@ def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, dev
     machine = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
     if inductor:
         machine += ", every method compiled with Inductor's " + ", ".join(f"{k}={v!r}" for k, v in inductor.items())
+    if measure_every != 1:
+        machine += f", (a) and (a') measuring their gradients every {measure_every} steps (`measure_every`)"
     a_b = statistics.median(overall["a/b"])
     summary = ", ".join(f"{column} {statistics.median(overall[column]):.3f}" for _, column in ratios_of[1:])
     option = "" if size == "full" else f"--{size}"
@@ -359,6 +375,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=4,
                         help="measurement runs, each on fresh copies, made in the reverse order every other run "
                              "(default 4)")
+    parser.add_argument("--measure-every", type=int, default=1, metavar="M",
+                        help="autoscale's ScalingConfig.measure_every for (a) and (a'); needs -o")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of torch._inductor.config that every method, the baseline's too, compiles "
                              "under (repeatable; e.g. combo_kernels=True); needs -o")
@@ -369,10 +387,13 @@ def main() -> None:
     inductor = dict(_inductor_option(parser, option) for option in args.inductor)
     if inductor and args.output is None:
         parser.error("--inductor changes what is measured: name its report with -o, not the default one")
-    rounds, steps = 15, 5
-    results = {name: measure(name, size, args.runs, rounds, steps, args.device, inductor) for name in MODELS}
+    every = args.measure_every
+    if every < 1 or (every != 1 and args.output is None):
+        parser.error("--measure-every takes M >= 1, and M > 1 changes what is measured: name its report with -o")
+    rounds, steps = 15, every * -(-5 // every)  # (a whole number of periods, at least 5 steps)
+    results = {name: measure(name, size, args.runs, rounds, steps, args.device, inductor, every) for name in MODELS}
     publish(report(results, size=size, runs=args.runs, steps=steps, device=args.device,
-                   inductor=inductor),
+                   inductor=inductor, measure_every=every),
             "overhead", args)
 
 

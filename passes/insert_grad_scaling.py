@@ -16,7 +16,10 @@ This pass
    cannot, and is aligned by a multiply alone (``measured=False``), unless it is the first
    measurement of a float16 gradient (``_UNMEASURED``);
 4. puts an *unscale point* on every parameter, so its gradient leaves the graph carrying exactly
-   the loss scale (the scaler divides that out, as torch.amp's does).
+   the loss scale (the scaler divides that out, as torch.amp's does);
+5. for a step that does not measure (``attach``'s ``measuring``: ``ScalingConfig.measure_every``),
+   makes every scale point a multiply alone and every unscale point an inf/nan check alone
+   (``_State.lighten``): the graph that runs between measured steps.
 
 Scales are absolute (see ``autoscale.ops``): a scale point makes the gradient carry its layer's
 scale, whatever it arrived with. Layers are module paths; each maps to a row of the state.
@@ -71,7 +74,7 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     found = attach_of(graph)
     if found is None:  # no GradScaler state in this graph: nothing to scale with
         return PassResult(gm, modified=False, counts={"scale_points": 0})
-    attach, (scales, stats, _, layout, moments, *_), prefix = found
+    attach, (scales, stats, _, layout, moments, *_, measuring), prefix = found
     gm.meta["autoscale_scales_input"] = list(graph.find_nodes(op="placeholder")).index(scales)
     if cfg.dtype == torch.bfloat16 and not cfg.float8:
         # bfloat16 has float32's exponent range: a gradient float32 keeps does not underflow in it
@@ -96,8 +99,9 @@ def insert_grad_scaling(gm: GraphModule, cfg: Config) -> PassResult:
     unscaled = state.unscale_parameters()
     # the inputs whose gradients leave through an unscale point, checked for inf/nan on the way
     gm.meta["autoscale_checked_inputs"] = unscaled
+    lightened = 0 if measuring else state.lighten()
     return PassResult(gm, modified=True, counts={
-        "scale_points": len(points), "aligned": aligned, "unscaled": len(unscaled)})
+        "scale_points": len(points), "aligned": aligned, "unscaled": len(unscaled), "unmeasured": lightened})
 
 
 @dataclass(frozen=True)
@@ -337,6 +341,33 @@ class _State:
         if cast_of(v) is None and category_of(op_name(v) or "", self.cfg.op_overrides) not in _PASSING:
             return False
         return list(v.users)
+
+    def lighten(self) -> int:
+        """Make this the graph of a step that measures nothing (``ScalingConfig.measure_every``): no
+        point measures (``measured=False``): a scale or alignment point is a multiply alone, an
+        unscale point an inf/nan check for the step's skip alone. Returns how many points changed.
+
+        What such a step must still do: carry the same scales (the points multiply as before) and
+        skip if a gradient went non-finite. Without the scale points' checks, a value they would
+        have caught flows on, non-finite, into the parameters' gradients, which every unscale point
+        checks (or it is multiplied by an exact zero on the way, a ReLU's mask, and changes no
+        parameter's gradient, and no step). Which scale made it the step cannot tell: it reaches
+        the gradients of the layers after the one that made it (in backward order), and not
+        always that one's own (an overflow of its input's gradient). So no row is blamed, and the
+        scaler measures the next step (``GradScaler._measure_next``). What the step saves is the
+        scale points' reductions and their second pass over each gradient:
+        docs/results/overhead.md."""
+        changed = 0
+        for node in self.sends:
+            if not _measured(node):
+                continue
+            node.update_arg(5, ())
+            node.kwargs = {**node.kwargs, "measured": False}
+            node.meta[PROVENANCE_KEY]["reason"] += (
+                " (inf/nan check alone: a step that measures nothing)" if node.args[6]
+                else " (a multiply alone: a step that measures nothing)")
+            changed += 1
+        return changed
 
     def _sent_by(self, user: Node) -> Rows | None:
         if user.op == "output":

@@ -365,6 +365,68 @@ def test_inf_in_one_layer_skips_the_step_and_backs_off_only_that_layer() -> None
     assert _train_steps(model, scaler, opt, compiled, x, y, 2) == [False, False]  # recovers
 
 
+def test_measure_every_measures_every_mth_step_and_runs_the_others_in_a_graph_of_their_own() -> None:
+    """``measure_every=3``: steps 0, 3 and 6 measure (their backward records the layers' largest
+    gradients); the others run a second graph, compiled once, whose points all measure nothing,
+    and their updates leave every scale as it was."""
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model, ScalingConfig(measure_every=3))
+    backend = autoscale.backend(EVERYWHERE)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = scaler._state
+    assert state is not None
+    measured, moved = [], []
+    for _ in range(7):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(F.cross_entropy(compiled(x), y)).backward()
+        measured.append(bool(state.stats[1:, STAT["amax"]].any()))
+        before = state.scales.clone()
+        scaler.step(opt)
+        scaler.update()
+        moved.append(not torch.equal(before, state.scales))
+    assert measured == [True, False, False, True, False, False, True]
+    assert not any(m for m, was_measured in zip(moved, measured, strict=True) if not was_measured)
+    assert len(backend.records) == 2
+    counts = [{r.name: r.counts for r in record.passes}["insert_grad_scaling"] for record in backend.records]
+    assert counts[0]["unmeasured"] == 0
+    assert counts[1]["unmeasured"] >= counts[1]["scale_points"] + counts[1]["unscaled"] > 0
+    # ``layers()`` reports the last measured step's zero rates, not the empty record of the last step
+    _train_steps(model, scaler, opt, compiled, x, y, 1)
+    assert scaler._last_stats is not None and not scaler._last_stats[:, STAT["numel"]].any()
+    assert scaler._measured_stats is not None and scaler._measured_stats[:, STAT["numel"]].any()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_overflow_in_a_step_that_measures_nothing_is_skipped_and_the_next_step_blames_it(fused: bool) -> None:
+    """A step that measures nothing cannot tell which scale overflowed: it is skipped (weights and
+    optimizer state untouched), no layer backs off, and the next step measures, which blames l2
+    alone, as every step does with ``measure_every=1``. With a fused optimizer the host learns of
+    the skip from the update's snapshot, with no sync."""
+    torch.manual_seed(0)
+    model, x, y = _Injectable(), torch.randn(8, 16), torch.randint(0, 16, (8,))
+    scaler = GradScaler(model, ScalingConfig(measure_every=8))
+    compiled = torch.compile(model, backend=autoscale.backend(EVERYWHERE))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+    assert _train_steps(model, scaler, opt, compiled, x, y, 2) == [False] * 2
+    assert scaler._state is not None and not scaler._state.measuring
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    scales = {r.name: r.scale for r in scaler.layers()}
+
+    model.inject.fill_(1)
+    assert _train_steps(model, scaler, opt, compiled, x, y, 1) == [True]
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert {r.name: r.scale for r in scaler.layers()} == scales
+    assert scaler._state.measuring
+    assert _train_steps(model, scaler, opt, compiled, x, y, 1) == [True]
+    now = {r.name: r.scale for r in scaler.layers()}
+    assert now == {**scales, "l2": scales["l2"] / 2}
+    assert {r.name: r.overflows for r in scaler.layers()}["l2"] == 1
+
+    model.inject.fill_(0)
+    assert _train_steps(model, scaler, opt, compiled, x, y, 3) == [False] * 3
+
+
 def _update(scales: torch.Tensor, stats: torch.Tensor, last: torch.Tensor, overflows: torch.Tensor,
             skips: torch.Tensor, **kw: Any) -> bool:
     """``adaptive_update`` on these tensors (no forward sites); returns whether the step overflowed."""
@@ -809,16 +871,17 @@ def test_lr_schedules_stay_in_step_with_skipped_steps(mode: str) -> None:
     assert runs["host"] == pytest.approx(expected) and runs["device"] == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("mode", ["adaptive", "dynamic"])
+@pytest.mark.parametrize("scaling", [ScalingConfig(mode="adaptive"), ScalingConfig(mode="dynamic"),
+                                     ScalingConfig(measure_every=2)], ids=["adaptive", "dynamic", "measure_every"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
-def test_steady_state_step_reads_the_device_once_or_not_at_all(mode: str, fused: bool) -> None:
+def test_steady_state_step_reads_the_device_once_or_not_at_all(scaling: ScalingConfig, fused: bool) -> None:
     """Host reads of device values (each a sync on a GPU) in step() + update(), counted on the
     steady state of a model with forward overflow checks: none with a fused optimizer (torch.amp's
     found_inf protocol; the scales update on the device and the checks' snapshot reaches the host
-    asynchronously), one with a plain optimizer (the skip decision, as torch.amp's). The step still
-    trains: the weights move."""
+    asynchronously), one with a plain optimizer (the skip decision, as torch.amp's); in steps that
+    measure and steps that do not alike (``measure_every``). The step still trains: the weights move."""
     model, (x,), y = mlp_case()
-    config = autoscale.Config(executor="eager", scaling=ScalingConfig(mode=mode))  # type: ignore[arg-type]
+    config = autoscale.Config(executor="eager", scaling=scaling)
     scaler = GradScaler(model, config)
     compiled = torch.compile(model, backend=autoscale.backend(config))
     # (SGD: a plain AdamW reads its own step counters, host tensors, with item())

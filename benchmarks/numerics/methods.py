@@ -1,5 +1,6 @@
 """The methods compared: float32, float16 with no scaling, fixed loss scales, torch.amp.GradScaler
-(its defaults and a short growth interval), and autoscale's dynamic and adaptive modes.
+(its defaults and a short growth interval), and autoscale's dynamic and adaptive modes (adaptive
+also measuring its gradients every 16th step only: ``ScalingConfig.measure_every``).
 
 Every float16 method runs the same autoscale-rewritten graph: float16 storage and rounding,
 float32 master weights, float32 where the precision pass keeps it (losses, norms, softmax), and
@@ -65,6 +66,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("amp-short", "torch.amp.GradScaler (growth_interval=50)", "torch.amp", growth_interval=50),
     Method("dynamic", 'autoscale "dynamic"', "autoscale", ScalingConfig(mode="dynamic")),
     Method("adaptive", 'autoscale "adaptive" (default)', "autoscale", ScalingConfig()),
+    Method("adaptive-m16", 'autoscale "adaptive", measure_every=16', "autoscale", ScalingConfig(measure_every=16)),
 )}
 """Every method by name, in the order the report lists them."""
 

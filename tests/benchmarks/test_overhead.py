@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+import autoscale
 import benchmarks.overhead as overhead
 from benchmarks import results_path
 from benchmarks.overhead import MODELS, main
@@ -55,13 +56,25 @@ def test_each_size_has_its_own_report() -> None:
     (["--inductor", "no_such_option=1", "-o", "x.md"], "an option of torch._inductor.config"),
     (["--inductor", "combo_kernels"], "KEY=VALUE"),
     (["--inductor", "combo_kernels=True"], "name its report with -o"),
+    (["--measure-every", "0", "-o", "x.md"], "M >= 1"),
+    (["--measure-every", "16"], "name its report with -o"),
 ])
-def test_inductor_options_are_refused_unless_known_and_reported_apart(
+def test_options_that_change_what_is_measured_are_refused_unless_valid_and_reported_apart(
         argv: list[str], refusal: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(sys, "argv", ["overhead", *argv])
     with pytest.raises(SystemExit):
         main()
     assert refusal in capsys.readouterr().err
+
+
+def test_measure_every_reaches_autoscales_scalers_alone() -> None:
+    """``--measure-every``: (a) and (a') measure every M-th step; the baseline is torch.amp's as ever."""
+    model, _, _ = MODELS["MLP"]("quick")
+    methods = overhead._methods(model, "cpu", references=False, measure_every=4)
+    every = {label: m.scaler.config.measure_every for label, m in methods.items()
+             if isinstance(m.scaler, autoscale.GradScaler)}
+    assert every == {overhead.A: 4, overhead.A_UNWATCHED: 4}
+    assert isinstance(methods[overhead.B].scaler, torch.amp.GradScaler)
 
 
 def test_every_method_compiles_under_the_inductor_options(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -553,6 +553,7 @@ _BAD_VALUES: list[tuple[type, str, Any, str]] = [
     (ScalingConfig, "calibrate", "yes", "it must be a bool"),
     (ScalingConfig, "update_every", 0, "it must be an int >= 1"),
     (ScalingConfig, "update_every", 2.0, "it must be an int >= 1"),
+    (ScalingConfig, "measure_every", 0, "it must be an int >= 1"),
     (ScalingConfig, "growth_interval", 0, "it must be an int >= 1"),
     (ScalingConfig, "hysteresis", 0, "it must be an int >= 1"),
     (ScalingConfig, "init_scale", 0, "it must be a finite number > 0"),
