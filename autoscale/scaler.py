@@ -331,6 +331,8 @@ class GradScaler:
             state.update(layers=list(self._state.layers), scales=self._state.scales.clone(),
                          stats=self._state.stats.clone(), last_stats=self._last_stats.clone(),  # type: ignore[union-attr]
                          forward=self._state.forward.state_dict())
+            if self._measured_stats is not None:  # (``measure_every``: what ``layers()`` reports)
+                state["measured_stats"] = self._measured_stats.clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -342,6 +344,8 @@ class GradScaler:
             self._state.load(state["scales"], state["stats"])
             self._state.seeded.update(range(len(self._state.layers)))  # (a compile now must not re-seed them)
             self._last_stats.copy_(state["last_stats"])  # type: ignore[union-attr]
+            measured = state.get("measured_stats")
+            self._measured_stats = None if measured is None else measured.to(self._last_stats.device).clone()  # type: ignore[union-attr]
             # promotions apply at the next forward: Dynamo's guard on them recompiles the graph
             self._state.forward.load_state_dict(state.get("forward", {}))
         else:

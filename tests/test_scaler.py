@@ -543,25 +543,31 @@ def test_adaptive_scale_multiplies_only_once_given_a_loss_scale() -> None:
     assert torch.equal(scaler.scale(loss), loss * 8)
 
 
-def test_state_dict_round_trip_continues_bit_identically() -> None:
+@pytest.mark.parametrize("every", [1, 3], ids=["every step measured", "measure_every=3"])
+def test_state_dict_round_trip_continues_bit_identically(every: int) -> None:
+    """Resumed from a state_dict, training continues bit for bit, and ``layers()`` reports what it
+    reported when saved (with ``measure_every``, saved after a step that measured nothing: the
+    report is the last measured step's)."""
     def make() -> tuple[nn.Module, GradScaler, torch.optim.Optimizer, nn.Module]:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = mlp_case()[0]
-        scaler = GradScaler(model)
+        scaler = GradScaler(model, ScalingConfig(measure_every=every))
         return model, scaler, torch.optim.Adam(model.parameters(), lr=1e-2), torch.compile(
             model, backend=autoscale.backend(EAGER))
 
     _, (x,), y = mlp_case()
     model, scaler, opt, compiled = make()
-    _train_steps(model, scaler, opt, compiled, x, y, 4)
+    _train_steps(model, scaler, opt, compiled, x, y, 5)
     saved = copy.deepcopy((model.state_dict(), opt.state_dict(), scaler.state_dict()))
+    reported = scaler.layers()
     _train_steps(model, scaler, opt, compiled, x, y, 4)
 
     model2, scaler2, opt2, compiled2 = make()
     model2.load_state_dict(saved[0])
     opt2.load_state_dict(saved[1])
     scaler2.load_state_dict(saved[2])
+    assert scaler2.layers() == reported
     _train_steps(model2, scaler2, opt2, compiled2, x, y, 4)
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
