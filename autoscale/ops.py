@@ -17,7 +17,8 @@ A point that is not ``measured`` only multiplies: no statistics, no inf/nan chec
 (``insert_grad_scaling``: the alignment of a float32 gradient, which a scale cannot overflow, where
 it is not the first measurement of a float16 one; every point of a step that measures nothing,
 ``ScalingConfig.measure_every``). An unscale point that is not measured still checks its output
-for inf/nan, for the step's skip alone: it blames no row and records nothing else.
+for inf/nan, for the step's skip alone: it blames no layer (the loss row takes the flag) and records
+nothing else.
 
 Statistics are normalized by the scale the gradient arrived with, so the update rule sees
 magnitudes at unit scale and needs no knowledge of the graph.

@@ -353,7 +353,7 @@ class _State:
         checks (or it is multiplied by an exact zero on the way, a ReLU's mask, and changes no
         parameter's gradient, and no step). Which scale made it the step cannot tell: it reaches
         the gradients of the layers after the one that made it (in backward order), and not
-        always that one's own (an overflow of its input's gradient). So no row is blamed, and the
+        always that one's own (an overflow of its input's gradient). So no layer is blamed, and the
         scaler measures the next step (``GradScaler._measure_next``). What the step saves is the
         scale points' reductions and their second pass over each gradient:
         docs/results/overhead.md."""
