@@ -40,10 +40,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "LOSS_ROW", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM",
            "Measured", "fold", "largest", "point_backward", "reading", "record", "rescaled", "scale_and_measure",
-           "set_scale", "taken"]
+           "set_scale", "taken", "traced"]
 
 aten = torch.ops.aten
 
@@ -279,6 +280,16 @@ torch.library.register_fake("autoscale::set_scale", _set_scale_fake, lib=_LIBRAR
 set_scale = torch.ops.autoscale.set_scale.default
 
 
+def traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is being traced into a compiled graph rather than computed: ``torch.compile``
+    is tracing, or ``t`` is a fake tensor (also under functionalization). The second is what says
+    so in AOTAutograd's trace of a backward on torch 2.11, where ``torch.compiler.is_compiling()``
+    is False (torch 2.13 sets it there too): without it, on 2.11 every point read its scales with
+    eager ops, which the joint-stage passes (``batch_records``, ``batch_row_reads``) do not
+    recognize, so they left every backward's measurements point by point."""
+    return torch.compiler.is_compiling() or is_fake(t)
+
+
 def _scale_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
     """The largest scale of ``rows`` (``_max_of``): traced for a compiled graph, ``set_scale`` of the
     rows in order, each once (so that equal sets are one read; see ``_set_scale``); run eagerly
@@ -286,7 +297,7 @@ def _scale_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
     A set of no row but the loss row's is 1, a constant, not a read: as one buffer, it was an
     argument of every unscale point's kernel, which Inductor's fusion search paired, one by one,
     as nodes reading one buffer (``_max_of``)."""
-    if torch.compiler.is_compiling() and any(row != LOSS_ROW for row in rows):
+    if traced(scales) and any(row != LOSS_ROW for row in rows):
         return set_scale(scales, sorted(set(rows)))
     return _max_of(scales, rows)
 

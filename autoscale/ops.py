@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from autoscale.measure import MAX, NUM_STATS, STAT, largest, point_backward, record, rescaled
+from autoscale.measure import MAX, NUM_STATS, STAT, largest, point_backward, record, rescaled, traced
 
 __all__ = [
     "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "LAYOUT_SEP", "NUM_STATS", "PROMOTED_SEP", "SCALE_RANGE", "STAT", "Attached",
@@ -145,7 +145,7 @@ def identity_output(x: torch.Tensor) -> torch.Tensor:
     AOTAutograd would return anyway, computed in the graph instead, where Inductor makes it a
     reinterpretation of the buffer. Eagerly, a view keeps the input's version counter, so an
     in-place change of the output that a saved tensor shares is still caught by autograd."""
-    return torch.ops.aten._unsafe_view(x, x.shape) if torch.compiler.is_compiling() else x.view_as(x)
+    return torch.ops.aten._unsafe_view(x, x.shape) if traced(x) else x.view_as(x)
 
 
 class _Rescale(torch.autograd.Function):

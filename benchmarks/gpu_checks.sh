@@ -10,7 +10,9 @@
 # Runs under the machine's own python3 (PYTHON=... to change) after an editable install without
 # dependencies (the backend's entry point needs it). Each step has a time limit, so one that hangs
 # leaves the others their time; each step's log and report land in $OUT (default ./gpu_out). The
-# overhead steps run 2 runs (one made in each order: benchmarks/overhead.py), each compiling afresh.
+# overhead steps run 2 runs (one made in each order: benchmarks/overhead.py), each compiling afresh;
+# each model's ratios are in the step's log as soon as they are measured, so a step cut short by its
+# limit still says what it measured.
 set -u
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -46,16 +48,17 @@ for name in "${steps[@]}"; do
         step bandwidth 90 "$py" -m benchmarks.kernel_bandwidth --sweep
         cp docs/results/kernels.md "$out/" ;;
     overhead)
-        step overhead 240 "$py" -m benchmarks.overhead --device cuda --runs 2
+        step overhead 420 "$py" -m benchmarks.overhead --device cuda --runs 2
         cp docs/results/overhead_cuda.md "$out/" 2>/dev/null ;;
     overhead_quick)
-        step overhead_quick 180 "$py" -m benchmarks.overhead --device cuda --quick --runs 2
+        step overhead_quick 300 "$py" -m benchmarks.overhead --device cuda --quick --runs 2
         cp docs/results/overhead_quick_cuda.md "$out/" 2>/dev/null ;;
     overhead_large)  # models whose steps the GPU's arithmetic bounds (benchmarks.overhead --large)
-        step overhead_large 330 "$py" -m benchmarks.overhead --device cuda --large --runs 2
+        step overhead_large 420 "$py" -m benchmarks.overhead --device cuda --large --runs 2
         cp docs/results/overhead_large_cuda.md "$out/" 2>/dev/null ;;
-    overhead_m16)  # (a) and (a') measuring every 16th step only (ScalingConfig.measure_every)
-        step overhead_m16 330 "$py" -m benchmarks.overhead --device cuda --runs 2 --measure-every 16 \
+    overhead_m16)  # (a) and (a') measuring every 16th step only (ScalingConfig.measure_every), beside
+                   # (a1), measuring every step
+        step overhead_m16 420 "$py" -m benchmarks.overhead --device cuda --runs 2 --measure-every 16 \
             -o "$out/overhead_m16_cuda.md" ;;
     overhead_combo)  # every method with Inductor's combo kernels (independent kernels in one launch)
         step overhead_combo 240 "$py" -m benchmarks.overhead --device cuda --runs 2 --inductor combo_kernels=True \

@@ -8,7 +8,7 @@
                                   # (a) and (a') measure their gradients every M steps only
                                   # (ScalingConfig.measure_every); each round then times a whole
                                   # number of M-step periods, so that every timed window holds
-                                  # its share of measured steps
+                                  # its share of measured steps; (a1) is (a) measuring every step
 
 Sizes: ``--quick`` (2-3 ms steps on the 2-core CPU), the default (full), and ``--large``, for a GPU
 only. On a GPU the full models' steps are bound by the host's kernel launches: an H200 runs their
@@ -23,6 +23,9 @@ Methods, for each model (interleaved rounds, medians):
       checks cost is a/a'
   (a'') on CUDA only: (a) with the scale points in the fused Triton kernel
       (``ScalingConfig(point_kernel="fused")``) instead of Inductor's kernels
+  (a1) with ``--measure-every M`` only, which gives (a) and (a') that option: (a) as it is by
+      default, measuring every step, so that what the option buys is a/b against a1/b, timed side
+      by side (such a run leaves out (a''), (c) and (d), to compile less)
   (b) the baseline: compiled float16 with torch.amp.GradScaler (one loss scale and its separate
       unscale-and-check pass over the gradients)
   (b') the same baseline again, a second copy of the model compiled alike: the A/A control,
@@ -92,11 +95,12 @@ from benchmarks.numerics.tasks import Block
 PHASES = ("forward", "backward", "step", "update")
 A, A_UNWATCHED, B = "(a) autoscale", "(a') autoscale, no forward checks", "(b) compiled fp16 + torch.amp.GradScaler"
 A_FUSED = "(a'') autoscale, points in the fused Triton kernel"
+A_EVERY = "(a1) autoscale, measuring every step"
 B_AGAIN = "(b') the same, a second copy"
 C, D = "(c) torch.compile fp32", "(d) eager fp32"
-ORDER = (A, A_UNWATCHED, B, B_AGAIN, C, D, A_FUSED)
+ORDER = (A, A_UNWATCHED, B, B_AGAIN, C, D, A_FUSED, A_EVERY)
 """The methods in the order of the docstring's list, which is the report's."""
-RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_FUSED, "a''/b"), (B_AGAIN, "b'/b"))  # (method, column) over (b)
+RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_FUSED, "a''/b"), (A_EVERY, "a1/b"), (B_AGAIN, "b'/b"))  # (method, column) over (b)
 
 
 def mlp(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -205,7 +209,8 @@ def _methods(model: nn.Module, device: str, *, references: bool = True, reverse:
     order the copies were made: the docstring's, or its reverse with ``reverse``. ``references``:
     with the float32 ones, (c) and (d), which are no part of a/b (``--large`` leaves them out: in
     float32 its steps take ten times as long). ``measure_every``: autoscale's
-    ``ScalingConfig.measure_every``."""
+    ``ScalingConfig.measure_every`` for (a) and (a'); other than 1, (a1) in place of (a''), (c)
+    and (d)."""
 
     def autoscale_on(config: autoscale.Config | None) -> Callable[[nn.Module], _Method]:
         scaling = None
@@ -227,9 +232,11 @@ def _methods(model: nn.Module, device: str, *, references: bool = True, reverse:
         B: baseline,
         B_AGAIN: baseline,
     }
-    if references:
+    if measure_every != 1:
+        makers[A_EVERY] = lambda m: _Method(torch.compile(m, backend="autoscale"), None, m)
+    if references and measure_every == 1:
         makers |= {C: lambda m: _Method(torch.compile(m), _NoScaler(), m), D: lambda m: _Method(m, _NoScaler(), m)}
-    if device == "cuda":  # (the fused kernel runs on CUDA only)
+    if device == "cuda" and measure_every == 1:  # (the fused kernel runs on CUDA only)
         makers[A_FUSED] = autoscale_on(autoscale.Config(scaling=autoscale.ScalingConfig(point_kernel="fused")))
     order = list(makers)[::-1] if reverse else list(makers)
     return {label: makers[label](copy.deepcopy(model).to(device)) for label in order}
@@ -293,6 +300,13 @@ def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: s
     return result
 
 
+def progress(name: str, result: Result) -> str:
+    """One line of ``name``'s ratios over (b), per run: printed as each model is done."""
+    labels = [(label, column) for label, column in RATIOS if label in result.steps[0]]
+    return f"{name}: " + ", ".join(
+        f"{column} " + " ".join(f"{run[label] / run[B]:.3f}" for run in result.steps) for label, column in labels)
+
+
 def balanced_orders(n: int) -> list[list[int]]:
     """Orders of ``range(n)`` for the rounds (a Williams design): over them, every index takes
     every position, and comes right after every other index, equally often (once each, in ``n``
@@ -339,7 +353,7 @@ def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, dev
     names = list(results)
     phase_lines = ["| model | method | " + " | ".join(PHASES) + " | sum |", "|---" * (len(PHASES) + 3) + "|"]
     for name, r in results.items():
-        for label in [label for label in (A, A_UNWATCHED, A_FUSED, B) if label in r.phases]:
+        for label in [label for label in (A, A_UNWATCHED, A_FUSED, A_EVERY, B) if label in r.phases]:
             ph = r.phases[label]
             phase_lines.append(f"| {name} | {label.split(' ')[0]} | " + " | ".join(ms(ph[p]) for p in PHASES)
                                + f" | {ms(sum(ph.values()))} |")
@@ -352,7 +366,8 @@ def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, dev
     if inductor:
         machine += ", every method compiled with Inductor's " + ", ".join(f"{k}={v!r}" for k, v in inductor.items())
     if measure_every != 1:
-        machine += f", (a) and (a') measuring their gradients every {measure_every} steps (`measure_every`)"
+        machine += (f", (a) and (a') measuring their gradients every {measure_every} steps (`measure_every`), "
+                    "(a1) every step")
     a_b = statistics.median(overall["a/b"])
     summary = ", ".join(f"{column} {statistics.median(overall[column]):.3f}" for _, column in ratios_of[1:])
     option = "" if size == "full" else f"--{size}"
@@ -376,7 +391,8 @@ def main() -> None:
                         help="measurement runs, each on fresh copies, made in the reverse order every other run "
                              "(default 4)")
     parser.add_argument("--measure-every", type=int, default=1, metavar="M",
-                        help="autoscale's ScalingConfig.measure_every for (a) and (a'); needs -o")
+                        help="autoscale's ScalingConfig.measure_every for (a) and (a'), and (a1): (a) measuring "
+                             "every step, in place of (a''), (c) and (d); needs -o")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of torch._inductor.config that every method, the baseline's too, compiles "
                              "under (repeatable; e.g. combo_kernels=True); needs -o")
@@ -391,7 +407,10 @@ def main() -> None:
     if every < 1 or (every != 1 and args.output is None):
         parser.error("--measure-every takes M >= 1, and M > 1 changes what is measured: name its report with -o")
     rounds, steps = 15, every * -(-5 // every)  # (a whole number of periods, at least 5 steps)
-    results = {name: measure(name, size, args.runs, rounds, steps, args.device, inductor, every) for name in MODELS}
+    results: dict[str, Result] = {}
+    for name in MODELS:
+        results[name] = measure(name, size, args.runs, rounds, steps, args.device, inductor, every)
+        print(progress(name, results[name]), flush=True)  # (what a run cut short by a time limit keeps)
     publish(report(results, size=size, runs=args.runs, steps=steps, device=args.device,
                    inductor=inductor, measure_every=every),
             "overhead", args)

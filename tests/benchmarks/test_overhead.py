@@ -68,12 +68,15 @@ def test_options_that_change_what_is_measured_are_refused_unless_valid_and_repor
 
 
 def test_measure_every_reaches_autoscales_scalers_alone() -> None:
-    """``--measure-every``: (a) and (a') measure every M-th step; the baseline is torch.amp's as ever."""
+    """``--measure-every``: (a) and (a') measure every M-th step, beside (a1), which measures every
+    step; the baseline is torch.amp's as ever."""
     model, _, _ = MODELS["MLP"]("quick")
-    methods = overhead._methods(model, "cpu", references=False, measure_every=4)
+    methods = overhead._methods(model, "cpu", measure_every=4)
     every = {label: m.scaler.config.measure_every for label, m in methods.items()
              if isinstance(m.scaler, autoscale.GradScaler)}
-    assert every == {overhead.A: 4, overhead.A_UNWATCHED: 4}
+    assert every == {overhead.A: 4, overhead.A_UNWATCHED: 4, overhead.A_EVERY: 1}
+    assert not {overhead.C, overhead.D} & set(methods)  # (no part of what the option is measured against)
+    assert overhead.A_EVERY not in overhead._methods(model, "cpu", references=False)
     assert isinstance(methods[overhead.B].scaler, torch.amp.GradScaler)
 
 
@@ -95,6 +98,14 @@ def test_every_method_compiles_under_the_inductor_options(monkeypatch: pytest.Mo
     text = overhead.report({"MLP": result}, size="quick", runs=1, steps=1, device="cpu",
                            inductor={"max_autotune_pointwise": True})
     assert "every method compiled with Inductor's max_autotune_pointwise=True" in text
+
+
+def test_each_model_prints_its_ratios_as_it_is_done() -> None:
+    """What a run cut short by a time limit keeps: per model, each ratio over (b), run by run."""
+    result = overhead.Result(rounds=1)
+    result.steps = [{overhead.A: 2.0, overhead.B: 1.0, overhead.B_AGAIN: 1.0},
+                    {overhead.A: 3.0, overhead.B: 2.0, overhead.B_AGAIN: 2.5}]
+    assert overhead.progress("MLP", result) == "MLP: a/b 2.000 1.500, b'/b 1.000 1.250"
 
 
 @pytest.mark.parametrize("n", range(1, 9))

@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoscale
-from autoscale.measure import LOSS_ROW, set_scale
+from autoscale.measure import LOSS_ROW, point_backward, set_scale
 from autoscale.passes import PassSpec, batch_row_reads, run_stage
 from tests.helpers import step_through_pipeline
 
@@ -64,6 +64,20 @@ def test_one_reduction_per_distinct_set_reads_what_the_points_read(first: Sets, 
     assert [tuple(mask[0].nonzero().flatten().tolist()) for mask in masks] == [
         rows or (LOSS_ROW,) for sets in distinct for rows in sets]
     assert gm(*inputs).equal(expected)
+
+
+def test_a_point_traced_outside_dynamo_reads_its_sets_for_the_pass() -> None:
+    """A point's backward traced with fake tensors while ``torch.compiler.is_compiling()`` is False
+    (AOTAutograd traces a backward so on torch 2.11) reads each set with ``set_scale``, which the
+    pass batches: on 2.11 such points read their scales with eager selects, which neither this pass
+    nor ``batch_records`` recognized, and every point's measurements ran as ops of their own."""
+    def backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        return point_backward(grad, scales, stats, out_rows=(2,), in_rows=(1, 3), record_rows=(2,), unscale=False,
+                              moments=False)
+
+    gm = make_fx(backward, tracing_mode="fake")(torch.ones(8), torch.ones(ROWS), torch.zeros(ROWS, 7))
+    assert [n.args[1] for n in gm.graph.find_nodes(op="call_function", target=set_scale)] == [[2], [1, 3]]
+    assert _batch(gm) == {"reads": 2, "sets": 2}
 
 
 def test_a_compiled_model_computes_the_same_with_and_without_the_pass() -> None:

@@ -31,7 +31,10 @@ EAGER = Config(executor="eager")
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "autoscale" and r.levelno == logging.WARNING]
+    """autoscale's warnings about the model: not the one about the installed torch (torch 2.11's
+    Inductor folding float16 round trips, ``autoscale.backend``), which every compile logs there."""
+    return [r for r in caplog.records if r.name == "autoscale" and r.levelno == logging.WARNING
+            and not r.getMessage().startswith("this torch's Inductor folds")]
 
 
 def _pass_counts(backend: autoscale.Backend, name: str) -> list[dict[str, int]]:
