@@ -100,7 +100,8 @@ B_AGAIN = "(b') the same, a second copy"
 C, D = "(c) torch.compile fp32", "(d) eager fp32"
 ORDER = (A, A_UNWATCHED, B, B_AGAIN, C, D, A_FUSED, A_EVERY)
 """The methods in the order of the docstring's list, which is the report's."""
-RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_FUSED, "a''/b"), (A_EVERY, "a1/b"), (B_AGAIN, "b'/b"))  # (method, column) over (b)
+RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_FUSED, "a''/b"), (A_EVERY, "a1/b"), (B_AGAIN, "b'/b"))
+"""(method, column): the ratios of each method's step over (b)'s."""
 
 
 def mlp(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
