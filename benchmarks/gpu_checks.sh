@@ -48,7 +48,7 @@ for name in "${steps[@]}"; do
         step bandwidth 90 "$py" -m benchmarks.kernel_bandwidth --sweep
         cp docs/results/kernels.md "$out/" ;;
     overhead)
-        step overhead 420 "$py" -m benchmarks.overhead --device cuda --runs 2
+        step overhead 540 "$py" -m benchmarks.overhead --device cuda --runs 2
         cp docs/results/overhead_cuda.md "$out/" 2>/dev/null ;;
     overhead_quick)
         step overhead_quick 300 "$py" -m benchmarks.overhead --device cuda --quick --runs 2
