@@ -86,8 +86,9 @@ class ScalingConfig:
     measure_every: adaptive only, compiled models only. Measure the gradients at every M-th step
                 only (the first, then every M, and the one after a skipped step): the steps between
                 run a second graph, compiled at the first of them, whose points only multiply and
-                check the parameters' gradients for inf/nan, as torch.amp does. An overflow there is
-                skipped, and the next step measures to find the scale that made it. The scales then
+                check the parameters' gradients for inf/nan, as torch.amp does, and whose forward has
+                no overflow check. An overflow there, in the forward or the backward, is skipped, and
+                the next step measures to find the scale or the value that made it. The scales then
                 follow the gradients every M steps. 1 measures every step; what M saves and costs is
                 in docs/scaling.md ("Steps that measure nothing"). (A module from
                 ``autoscale.convert`` measures every step.)

@@ -130,7 +130,8 @@ class GradScaler:
         capacity = self._state.forward.capacity if self._state is not None else 0
         self._snapshot = torch.zeros(capacity + 2, device=device) if self._state is not None else None
         self._mirror = HostMirror()
-        self._snapshot_steps: deque[int] = deque()  # the step of each snapshot on its way to the host
+        # the step of each snapshot on its way to the host, and whether that step watched its forward
+        self._snapshot_steps: deque[tuple[int, bool]] = deque()
         self._update_scales = CompiledUpdate(adaptive_update)
         self._bound: _Bound | None = None  # the steady state's update (``_update_bound``)
         self._constants: tuple[float, dict[str, float]] | None = None  # (gradient_max, update constants)
@@ -578,19 +579,26 @@ class GradScaler:
         if not self._mirrored:
             return
         step = self._steps + 1  # (numbered from 1, as the telemetry does)
+        watched = self._state.measuring  # (a step that measures nothing watches nothing: ``measure_every``)
         if self._decided and snapshot.device.type != "cpu":
             host = snapshot.cpu()
-            self._read_snapshot(host, *host[-2:].tolist(), step=step)
+            self._read_snapshot(host, *host[-2:].tolist(), step=step, watched=watched)
             return
         self._mirror.post(snapshot)
-        self._snapshot_steps.append(step)
+        self._snapshot_steps.append((step, watched))
         for host in self._mirror.poll():
             values = self._mirror.values(host)  # (its flags read with no torch op: ``HostMirror.values``)
-            self._read_snapshot(host, values[-2], values[-1], step=self._snapshot_steps.popleft())
+            step, watched = self._snapshot_steps.popleft()
+            self._read_snapshot(host, values[-2], values[-1], step=step, watched=watched)
 
-    def _read_snapshot(self, host: torch.Tensor, alarm: float, skipped: float, *, step: int) -> None:
-        """Act on the snapshot ``host`` if its flags (its last two values) say so."""
+    def _read_snapshot(self, host: torch.Tensor, alarm: float, skipped: float, *, step: int, watched: bool) -> None:
+        """Act on the snapshot ``host`` if its flags (its last two values) say so. A step whose
+        forward was not ``watched`` (one that measures nothing) says nothing of the forward: a skip
+        there only has the next step measure, which watches, and the run of non-finite forwards that
+        ``OverflowConfig.patience`` counts neither grows nor ends."""
         self._remeasure |= bool(skipped)
+        if not watched:
+            return
         if (alarm or skipped) and self._state is not None and self._state.forward.sites:
             self._act(host[:-2], skipped=bool(skipped), step=step)
         else:

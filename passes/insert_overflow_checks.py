@@ -32,9 +32,11 @@ produces ``x``, and the scaler reads the peaks after the step (``autoscale.overf
 numbered per graph here; the backend maps them to the scaler state's slots by each site's key.
 The sites, with their keys, predictions and nearest watched sites upstream (to tell an overflow
 from its consequences), go to ``gm.meta[SITES_KEY]``. Runs only for float16, with
-``Config.overflow.watch`` and a ``GradScaler`` (whose ``attach`` ``predict_overflow`` found); it
-removes nothing. It is the last pass of the Dynamo stage, so that no other pass sees a check as a
-reader of the value it watches (a GEMM read only by its cast stays one scale point).
+``Config.overflow.watch`` and a ``GradScaler`` (whose ``attach`` ``predict_overflow`` found), in a
+step that measures (``attach``'s ``measuring``: a step that measures no gradient watches no value,
+``ScalingConfig.measure_every``); it removes nothing. It is the last pass of the Dynamo stage, so
+that no other pass sees a check as a reader of the value it watches (a GEMM read only by its cast
+stays one scale point).
 """
 
 from __future__ import annotations

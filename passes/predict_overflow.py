@@ -38,7 +38,8 @@ __all__ = ["FORWARD_KEY", "PEAKS_INPUT_KEY", "PROMOTED_REASON", "predict_overflo
 
 FORWARD_KEY = "autoscale_forward_overflow"
 # gm.meta: the index of the placeholder of the scaler's peaks buffer, for ``insert_overflow_checks``
-# (which runs last, after ``insert_grad_scaling`` has removed the ``attach`` marker that names it)
+# (which runs last, after ``insert_grad_scaling`` has removed the ``attach`` marker that names it);
+# absent for a step that measures nothing, which watches nothing
 PEAKS_INPUT_KEY = "autoscale_peaks_input"
 PROMOTED_REASON = f"{OVERFLOW_REASON} seen at run time: promoted by GradScaler"
 
@@ -52,7 +53,7 @@ def predict_overflow(gm: GraphModule, cfg: Config) -> PassResult:
     keys = node_keys(graph, prefix)
     for n, key in keys.items():
         n.meta[KEY] = key
-    if found is not None:
+    if found is not None and found[1].measuring:  # (``ScalingConfig.measure_every``)
         gm.meta[PEAKS_INPUT_KEY] = list(graph.find_nodes(op="placeholder")).index(found[1].peaks)
     if cfg.dtype != torch.float16:
         return PassResult(gm, modified=False, counts={"predicted": 0, "promoted": 0})

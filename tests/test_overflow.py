@@ -26,7 +26,7 @@ from torch import nn
 from torch.fx import Interpreter, Node
 
 import autoscale
-from autoscale import Config, GradScaler, NonFiniteForwardError, OverflowConfig
+from autoscale import Config, GradScaler, NonFiniteForwardError, OverflowConfig, ScalingConfig
 from autoscale.ops import FP16_MAX, watch
 from autoscale.overflow import ForwardSites, Site, SiteKind, alarm, diagnose, outputs_nonfinite
 from autoscale.passes import PIPELINE, run_stage
@@ -249,6 +249,35 @@ def test_an_overflow_injected_into_one_node_blames_that_node_only_and_is_repaire
     assert ("fc2", ("linear#0: promoted at step 2",)) in {(r.name, r.float32_ops) for r in scaler.layers()}
 
 
+def test_a_step_that_measures_nothing_watches_nothing_and_the_next_finds_its_overflow() -> None:
+    """``measure_every``: a step that measures nothing runs a forward with no check (its graph has
+    no site). fc2's bias grows before such a step: the step is skipped, with nothing promoted and no
+    scale moved; the next step measures and watches, is skipped too, and promotes fc2's linear,
+    as the first step to see it does with every step measured; training goes on."""
+    torch.manual_seed(0)
+    model, (x,), y = mlp_case()
+    scaler = GradScaler(model, ScalingConfig(measure_every=4))
+    backend = autoscale.backend(EAGER)
+    run = torch.compile(model, backend=backend)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    assert [_step(run, scaler, opt, x, y)[1] for _ in range(2)] == [False, False]
+    sites = [{r.name: r.counts for r in record.passes}["insert_overflow_checks"]["sites"] for record in backend.records]
+    assert sites[0] > 0 and sites[1] == 0  # (the measured graph's, then the other's)
+    assert scaler._state is not None and not scaler._state.measuring
+    with torch.no_grad():
+        model.fc2.bias.add_(1e5)
+    scales = {r.name: r.scale for r in scaler.layers()}
+    assert _step(run, scaler, opt, x, y)[1] is True
+    assert not scaler.promotions() and {r.name: r.scale for r in scaler.layers()} == scales
+    assert scaler._state.measuring
+    assert _step(run, scaler, opt, x, y)[1] is True
+    assert [(p.key, p.step, p.reason) for p in scaler.promotions()] == [("fc2:linear#0", 4, "overflowed")]
+    assert {r.name: r.scale for r in scaler.layers()} == scales  # (the forward's doing, not a scale's)
+    for _ in range(4):  # (a period: the recompiled graphs, both)
+        loss, skipped = _step(run, scaler, opt, x, y)
+        assert math.isfinite(loss) and not skipped
+
+
 def test_a_value_near_float16s_max_is_promoted_before_it_overflows() -> None:
     """A float16 value above ``threshold`` x 65504 (default half) is promoted at the step it is seen,
     which was a good step: nothing is skipped."""
@@ -366,15 +395,17 @@ def test_the_recompile_cap_holds() -> None:
     assert [p.key for p in scaler.promotions()] == ["fc3:linear#0"]
 
 
-def test_a_value_non_finite_in_float32_too_is_named_and_stops_the_run() -> None:
+@pytest.mark.parametrize("every", [1, 2], ids=["every step measured", "measure_every=2"])
+def test_a_value_non_finite_in_float32_too_is_named_and_stops_the_run(every: int) -> None:
     """log(relu(.)) of a layer with dead units is -inf in float32: no promotion can help. Each such
     step is skipped (weights untouched) with a warning naming the op and the model's line, and the
-    ``patience``-th raises NonFiniteForwardError."""
+    ``patience``-th raises NonFiniteForwardError. With ``measure_every``, alike: a skipped step has
+    the next one measure, and watch."""
     torch.manual_seed(0)
     model = LogOfZero()
     x, y = torch.randn(32, 16), torch.randn(32)
     weights = copy.deepcopy(model.state_dict())
-    scaler = GradScaler(model)
+    scaler = GradScaler(model, ScalingConfig(measure_every=every))
     run = torch.compile(model, backend=autoscale.backend(EAGER))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
@@ -386,6 +417,12 @@ def test_a_value_non_finite_in_float32_too_is_named_and_stops_the_run() -> None:
 
     step()
     step()
+    # (a skipped step that watched nothing, as a step that measures nothing reads on CUDA when the
+    # host learns of the last skip a step late, neither ends the run nor adds to it)
+    assert scaler._snapshot is not None
+    snapshot = torch.zeros_like(scaler._snapshot)
+    scaler._read_snapshot(snapshot, 0.0, 1.0, step=3, watched=False)
+    assert scaler._streak == 2
     where = r"\(log, float32 -> float16\): inf \[overflow_models\.py:\d+: h = torch\.log"
     with pytest.raises(NonFiniteForwardError, match=where + r".*promoting cannot help.*3 in a row"):
         step()
