@@ -286,8 +286,9 @@ def traced(t: torch.Tensor) -> bool:
     so in AOTAutograd's trace of a backward on torch 2.11, where ``torch.compiler.is_compiling()``
     is False (torch 2.13 sets it there too): without it, on 2.11 every point read its scales with
     eager ops, which the joint-stage passes (``batch_records``, ``batch_row_reads``) do not
-    recognize, so they left every backward's measurements point by point."""
-    return torch.compiler.is_compiling() or is_fake(t)
+    recognize, so they left every backward's measurements point by point. (A plain tensor is real:
+    ``is_fake`` costs a microsecond, at every point of every eager step.)"""
+    return torch.compiler.is_compiling() or (type(t) is not torch.Tensor and is_fake(t))
 
 
 def _scale_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
