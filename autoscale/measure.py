@@ -42,9 +42,10 @@ from typing import Any, NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["ANY_NONFINITE", "ARRIVED", "BAD", "LOSS_ROW", "MADE", "MAX", "MODES", "NUM_STATS", "PEAK", "STAT", "SUM",
-           "Measured", "fold", "largest", "point_backward", "reading", "record", "rescaled", "scale_and_measure",
-           "set_scale", "taken", "traced"]
+__all__ = ["ACCELERATOR_FORM", "ANY_NONFINITE", "ARRIVED", "BAD", "FORMS", "LOSS_ROW", "MADE", "MAX", "MODES",
+           "NUM_STATS", "PEAK", "STAT", "SUM", "Form", "Measured", "counted", "fold", "form_of", "largest",
+           "point_backward", "reading", "record", "rescaled", "scale_and_measure", "set_scale", "taken", "traced",
+           "whole"]
 
 aten = torch.ops.aten
 
@@ -77,6 +78,65 @@ BAD = 5  # 1 if either, else 0; max
 Call = Callable[..., Any]
 """How a mode's reading is computed: ``call(aten_op, *args, **kwargs)`` runs the op (``fold``) or
 adds it to a graph (``passes/batch_records.py``), so that both read a value from one definition."""
+
+
+class Form(NamedTuple):
+    """How points and checks lay out their work for the compiler on one kind of device (``FORMS``).
+    Either way they compute the same numbers; what differs is how many passes over a gradient, and
+    how many kernel launches, Inductor makes of them."""
+
+    in_place: bool
+    """A point's output depends on its peak (``scale_and_measure``'s ``keep``), so that Inductor
+    writes it over the gradient's own buffer, in a second pass after the peak's. On the CPU a cold
+    buffer cost more than that cache-warm pass (a transformer block's GELU backward kernel 1.0 ms
+    against 0.5 ms in place), and the one-pass form was slower on every model of
+    ``benchmarks.overhead`` (docs/results/kernel_counts.md). On a GPU the second pass is a launch
+    of its own per point, after the reduction's: without the dependency the producer's kernel
+    writes the output."""
+    parts: int
+    """The most partial results a reduction over a whole value hands to the fold (``largest``,
+    ``counted``), which reduces them for every point at once (``passes/batch_records.py``); 1 is a
+    full reduction. Inductor splits a GPU's full reduction of a large value into two launches,
+    partial results then their reduction: handed as partial results, the first is fused into the
+    value's producer and the second is the fold's. On the CPU a full reduction is one loop of the
+    producer's kernel."""
+
+
+FORMS: dict[str, Form] = {"cpu": Form(in_place=True, parts=1)}
+"""The form per device type; every other device (CUDA) takes ``ACCELERATOR_FORM``."""
+ACCELERATOR_FORM = Form(in_place=False, parts=128)
+PART_SIZE = 1024
+"""The fewest elements a partial result reduces: a value of fewer than ``2 * PART_SIZE`` elements is
+reduced whole."""
+
+
+def form_of(device: torch.device) -> Form:
+    """The form points and checks take on ``device`` (``FORMS``)."""
+    return FORMS.get(device.type, ACCELERATOR_FORM)
+
+
+def _parts(x: torch.Tensor) -> int:
+    """How many partial results a reduction over all of ``x`` gives (``Form.parts``): the most its
+    device's form takes, halved until each reduces at least ``PART_SIZE`` elements and they divide
+    ``x``; 1 for a value whose size or layout is symbolic, or that is not contiguous (its partial
+    results would read it through a copy; whole, ``passes/reduce_at_source.py`` reads its
+    source)."""
+    parts, n = form_of(x.device).parts, x.numel()
+    if parts <= 1 or not isinstance(n, int) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
+        return 1
+    if not x.is_contiguous():
+        return 1
+    while parts > 1 and (n % parts or n // parts < PART_SIZE):
+        parts //= 2
+    return parts
+
+
+def whole(value: torch.Tensor, combine: str) -> torch.Tensor:
+    """A value handed as partial results (``largest``, ``counted``) reduced to one, by ``combine``
+    ("max" or "sum", its cells' way: ``MODES``); a value of one element as it is."""
+    if value.numel() <= 1:
+        return value
+    return value.amax() if combine == "max" else value.sum()
 
 
 def reading(call: Call, peak: Any, scale: Any, bound: Any) -> Any:
@@ -151,7 +211,7 @@ class Measured(NamedTuple):
     def value(self) -> torch.Tensor:
         """The point's one number (``reading``), computed eagerly."""
         one = torch.ones((), device=self.peak.device)
-        out: torch.Tensor = reading(_eager, self.peak, one if self.scale is None else self.scale,
+        out: torch.Tensor = reading(_eager, whole(self.peak, "max"), one if self.scale is None else self.scale,
                                     torch.full_like(one, self.bound))
         return out
 
@@ -216,16 +276,18 @@ def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Te
         # a finite value overflows under ``factor`` iff the largest one does: the fold reads that
         # from the peak (``reading``), in float32 too
         bound = _overflow_threshold(grad.dtype)
-        # (``keep``, always 0: reading the peak makes the reduction an ancestor of ``out``, which
-        # Inductor then writes in place; see above)
-        keep = torch.where(peak < 0.0, peak, 0.0).reshape(())
+        keep: torch.Tensor | float = 0.0
+        if form_of(grad.device).in_place:
+            # (``keep``, always 0: reading the peak makes the reduction an ancestor of ``out``,
+            # which Inductor then writes in place; see above and ``Form.in_place``)
+            keep = torch.where(peak < 0.0, peak, 0.0).reshape(())
         out = torch.where(scaled.abs() < bound, scaled, keep).to(grad.dtype)
     at_unit = torch.where(magnitude < math.inf, measured, 0.0) / unit_scale if moments else None
     return out, Measured(
         peak, None if leaving else scale.float(), bound,
         total=at_unit.sum() if at_unit is not None else None,
         squares=(at_unit * at_unit).sum() if at_unit is not None else None,
-        zeros=(measured == 0).sum(dtype=torch.int32).float() if zeros else None,
+        zeros=counted(measured == 0) if zeros else None,
     )
 
 
@@ -240,9 +302,19 @@ def largest(x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(1)
     if x.dim() == 0:
         return x.reshape(1)
+    if (parts := _parts(x)) > 1:  # (partial maxima, which the fold reduces: ``Form.parts``)
+        return x.reshape(parts, -1).amax(1)
     # (over a leading unit dimension, not a flattened view: the reduction then indexes ``x`` as
     # the op writing ``x`` does, and Inductor fuses the two as for a 0-dim max)
     return x.unsqueeze(0).amax(list(range(1, x.dim() + 1)))
+
+
+def counted(where: torch.Tensor) -> torch.Tensor:
+    """How many elements of ``where`` hold, in float32 (exact below 2^24): one count, or partial
+    counts that the fold sums (``Form.parts``)."""
+    if (parts := _parts(where)) > 1:
+        return where.reshape(parts, -1).sum(1, dtype=torch.int32).float()
+    return where.sum(dtype=torch.int32).float()
 
 
 @functools.cache
@@ -406,6 +478,7 @@ def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[in
     if not values:
         return flat.view_as(stats)
     one = torch.ones((), dtype=flat.dtype, device=flat.device)
+    values = [whole(v, MODES[m][0]) for v, m in zip(values, modes, strict=True)]
 
     def stacked(xs: Sequence[torch.Tensor | None]) -> torch.Tensor:
         return torch.stack([(one if x is None else x.reshape(()).to(flat.dtype)) for x in xs])

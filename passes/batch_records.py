@@ -27,6 +27,7 @@ whose rows say which scales to read.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -144,9 +145,13 @@ class _Builder:
         points' scales are sets of, what each mode takes of it side by side (``MODES``), then per
         combine one gather, one reduction and one ``index_put``."""
         device = stats.meta["val"].device
-        # (a point records one value in several cells; the computed values first: ``read``)
-        unique = sorted(dict.fromkeys(readings), key=lambda r: _constant(r.value) is not None)
-        vector = self.read(unique, scales, device)
+        summed = {r for r, m in zip(readings, modes, strict=True) if MODES[m][0] == "sum"}
+        partial = any(_numel(r.value) > 1 for r in readings)
+        # (a point records one value in several cells; the computed values first and, with partial
+        # results, those combined by max before those summed: ``read``)
+        unique = sorted(dict.fromkeys(readings),
+                        key=lambda r: (_constant(r.value) is not None, partial and r in summed))
+        vector = self.read(unique, scales, device, summed)
         width = len(unique) + 1  # (and a 0, the padding's: every mode takes 0 of it)
         position = {r: j for j, r in enumerate(unique)}
         flat = self.call(aten.view.default, (stats, [-1]))
@@ -171,24 +176,53 @@ class _Builder:
             flat = self.call(aten.index_put.default, (flat, [where], self.call(joined, (current, reduced))))
         return self.call(aten.view.default, (flat, list(stats.meta["val"].shape)))
 
-    def read(self, readings: Sequence[_Reading], scales: Node | None, device: torch.device) -> Node:
+    def read(self, readings: Sequence[_Reading], scales: Node | None, device: torch.device,
+             summed: set[_Reading]) -> Node:
         """Each reading's value (``reading``), and a 0 after them, as one vector. The values side by
         side: the computed ones, then (``readings`` orders them so) the numbers a graph says they
         always are (``_constant``: an element count). Their scales from ``scales`` directly, each
         set's largest for all readings at once (``largest``), not from the points' reads of the
         sets: those would be a piece each of another concatenation, where the readings' rows are
-        one constant mask."""
+        one constant mask. Values handed as partial results (``autoscale.measure.Form.parts``) are
+        reduced first, by max, or by sum for those in ``summed`` (``whole``)."""
         known = [_constant(r.value) for r in readings]
-        # (a one-element vector, as points and checks hand their peaks over, is a piece as it is:
-        # Inductor then writes the reduction into its slot; a view of a value, it copies there)
-        pieces = [r.value if tuple(r.value.meta["val"].shape) == (1,) else self.call(aten.view.default, (r.value, [1]))
-                  for r, k in zip(readings, known, strict=True) if k is None]
-        pieces.append(self.constant([*(k for k in known if k is not None), 0.0], device, dtype=torch.float32))
-        vector = self.call(aten.cat.default, (pieces,))
+        computed = [r for r, k in zip(readings, known, strict=True) if k is None]
+        constants = self.constant([*(k for k in known if k is not None), 0.0], device, dtype=torch.float32)
+        if any(_numel(r.value) > 1 for r in computed):
+            vector = self.call(aten.cat.default, ([*self.wholes(computed, summed, device), constants],))
+        else:
+            # (a one-element vector, as points and checks hand their peaks over, is a piece as it
+            # is: Inductor then writes the reduction into its slot; a view of a value, it copies there)
+            pieces = [r.value if tuple(r.value.meta["val"].shape) == (1,)
+                      else self.call(aten.view.default, (r.value, [1])) for r in computed]
+            vector = self.call(aten.cat.default, ([*pieces, constants],))
         if all(r.scale is None and r.bound == math.inf for r in readings):  # (read as they are)
             return vector
         return reading(self.op, vector, self.largest(scales, [_rows(r.scale) for r in readings], device),
                        self.constant([*(r.bound for r in readings), math.inf], device, dtype=torch.float32))
+
+    def wholes(self, computed: Sequence[_Reading], summed: set[_Reading], device: torch.device) -> list[Node]:
+        """The ``computed`` values, each reduced to one (``autoscale.measure.whole``), as one vector
+        per way they combine, those by max first (``computed`` is so ordered): the values' elements
+        side by side, then gathered per value by a constant plan, padded with an element that
+        leaves its reduction unchanged (-inf for a max, 0 for a sum), and reduced."""
+        flat = [r.value if len(r.value.meta["val"].shape) == 1 else self.call(aten.view.default, (r.value, [-1]))
+                for r in computed]
+        ends = list(itertools.accumulate(_numel(r.value) for r in computed))
+        pad = ends[-1] if ends else 0
+        elements = self.call(aten.cat.default, ([*flat, self.constant([-math.inf, 0.0], device, dtype=torch.float32)],))
+        out = []
+        for combine, (reduce, _) in _COMBINES.items():
+            chosen = [j for j, r in enumerate(computed) if (r in summed) == (combine == "sum")]
+            if not chosen:
+                continue
+            spans = [range(ends[j] - _numel(computed[j].value), ends[j]) for j in chosen]
+            widest = max(len(span) for span in spans)
+            filler = pad + (combine == "sum")
+            plan = [[*span, *[filler] * (widest - len(span))] for span in spans]
+            gathered = self.call(aten.index.Tensor, (elements, [self.constant(plan, device)]))
+            out.append(self.call(reduce, (gathered, [1])))
+        return out
 
     def largest(self, scales: Node | None, sets: Sequence[tuple[int, ...]], device: torch.device) -> Node:
         """Per set of rows, and for a last set of none, the largest of its scales (1 for none: the
@@ -232,6 +266,11 @@ def _scales_read(readings: Sequence[_Reading]) -> tuple[bool, Node | None]:
 def _rows(part: Node | None) -> tuple[int, ...]:
     """The rows whose largest scale ``part`` is (``_scales_read``): none (1) for None or a 1."""
     return () if part is None or part.target is not set_scale else tuple(_seq(part.args[1]))
+
+
+def _numel(value: Node) -> int:
+    """How many elements a recorded value has: 1, or a point's partial results (``Form.parts``)."""
+    return math.prod(value.meta["val"].shape)
 
 
 def _constant(value: Node) -> float | None:

@@ -29,8 +29,8 @@ MAXED = {STAT["nonfinite"], STAT["amax"]}
 
 Read = tuple[tuple[int, ...], float]
 """How a recorded value is read (``reading``): the rows of its scale, its bound."""
-Recorded = tuple[int, int, float, "Read | None"]
-"""One recorded value: (cell, mode, value, how it is read, or None: as it is)."""
+Recorded = tuple[int, int, "float | tuple[float, ...]", "Read | None"]
+"""One recorded value: (cell, mode, value or its partial results, how it is read, or None: as it is)."""
 SCALES = torch.tensor([1.0, 2.0**15, 2.0**-3, 2.0**10, 2.0**-10])  # (row 0's is 1: the loss row's)
 
 
@@ -59,18 +59,42 @@ def _set(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
     return set_scale(scales, list(rows)) if rows else torch.full((), 1.0)
 
 
+def _split(recorded: list[list[Recorded]], parts: list[int]) -> list[list[Recorded]]:
+    """``recorded`` with the values handed as ``parts[j]`` partial results each (as a GPU's points
+    hand them: ``autoscale.measure.Form.parts``), whose whole is the value: maxima of which it is
+    the largest, or counts that sum to it."""
+    k = iter(parts)
+
+    def pieces(v: float, mode: int, n: int) -> tuple[float, ...]:
+        if mode == SUM:
+            share = float(v // n)
+            return (v - share * (n - 1), *[share] * (n - 1))
+        return (v, *[min(v, 0.5)] * (n - 1))
+
+    return [[(c, m, pieces(v, m, next(k)), read) for c, m, v, read in point]  # type: ignore[misc]
+            for point in recorded]
+
+
+def _values(recorded: list[list[Recorded]]) -> list[float]:
+    """Every recorded value's elements, in order."""
+    return [x for point in recorded for _, _, v, _ in point for x in (v if isinstance(v, tuple) else (v,))]
+
+
 def _traced(recorded: list[list[Recorded]], *, reuse: bool = False) -> GraphModule:
     """The graph of ``stats.copy_(record(stats, ...))`` per point, functionalized as AOTAutograd
     does; with ``reuse``, an intermediate value is also read elsewhere (returned). Each point reads
-    the set of rows of its scale itself, as the points do."""
+    the set of rows of its scale itself, as the points do. A value given as a tuple is handed as
+    that many partial results (``_split``)."""
     def points_backward(stats: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
         j, kept = 0, ()
         for i, point in enumerate(recorded):
             vals, out_scales = [], []
-            for *_, read in point:
-                vals.append(values[j] * 1.0)  # (a computed 0-dim value, as a point's measurement)
+            for _, _, v, read in point:
+                n = len(v) if isinstance(v, tuple) else 0
+                # (a computed 0-dim value, as a point's measurement, or a vector of partial results)
+                vals.append(values[j:j + n] * 1.0 if n else values[j] * 1.0)
                 out_scales.append(_set(scales, read[0]) if read else None)
-                j += 1
+                j += max(n, 1)
             stats.copy_(record(stats, vals, [c for c, *_ in point], [m for _, m, *_ in point], out_scales,
                                [read[1] if read else math.inf for *_, read in point]))
             if reuse and i == 0:
@@ -78,14 +102,25 @@ def _traced(recorded: list[list[Recorded]], *, reuse: bool = False) -> GraphModu
         return kept
 
     stats = torch.zeros(ROWS, NUM_STATS)
-    values = torch.zeros(max(1, sum(len(p) for p in recorded)))
+    values = torch.zeros(max(1, len(_values(recorded))))
     return make_fx(functionalize(points_backward), tracing_mode="fake")(stats, values, SCALES)
 
 
 def _run(gm: GraphModule, recorded: list[list[Recorded]], start: torch.Tensor) -> torch.Tensor:
     stats = start.clone()
-    gm(stats, torch.tensor([v for point in recorded for _, _, v, _ in point] or [0.0]), SCALES)
+    gm(stats, torch.tensor(_values(recorded) or [0.0]), SCALES)
     return stats
+
+
+def _folded(recorded: list[list[Recorded]], start: torch.Tensor) -> torch.Tensor:
+    """What folding the points one by one, eagerly, gives (``fold``, the meaning of ``record``)."""
+    expected = start.clone()
+    for point in recorded:
+        reads = [read for *_, read in point]
+        expected = fold(expected, [torch.tensor(v) for _, _, v, _ in point], [c for c, *_ in point],
+                        [m for _, m, *_ in point], [_set(SCALES, r[0]) if r else None for r in reads],
+                        [r[1] if r else math.inf for r in reads])
+    return expected
 
 
 def _batch(gm: GraphModule) -> dict[str, int]:
@@ -102,18 +137,29 @@ def test_one_fold_computes_what_the_points_fold_one_by_one(recorded: list[list[R
     repeat and in whatever order the points record (maxima of values read against their scales and
     bounds, or as they are; counts, summed)."""
     initial = torch.tensor(start).view(ROWS, NUM_STATS)
-    expected = initial.clone()
-    for point in recorded:
-        reads = [read for *_, read in point]
-        expected = fold(expected, [torch.tensor(v) for _, _, v, _ in point], [c for c, *_ in point],
-                        [m for _, m, *_ in point], [_set(SCALES, r[0]) if r else None for r in reads],
-                        [r[1] if r else math.inf for r in reads])
+    expected = _folded(recorded, initial)
     gm = _traced(recorded)
     assert _run(gm, recorded, initial).equal(expected)  # (the traced graph itself)
     counts = _batch(gm)
     assert counts == {"records": len(recorded), "folds": 1}
     assert not gm.graph.find_nodes(op="call_function", target=RECORD)
     assert _run(gm, recorded, initial).equal(expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(recorded=points, parts=st.lists(st.integers(1, 3), min_size=48, max_size=48))
+def test_values_handed_as_partial_results_fold_as_their_whole(recorded: list[list[Recorded]],
+                                                              parts: list[int]) -> None:
+    """A GPU's points hand their maxima and counts as partial results (``Form.parts``): the fold
+    reduces each value's first (max, or sum for a summed cell's), and gives what the values' wholes
+    give, folded point by point; eagerly, ``record`` does the same."""
+    split = _split(recorded, parts)
+    initial = torch.arange(ROWS * NUM_STATS, dtype=torch.float32).view(ROWS, NUM_STATS)
+    expected = _folded(recorded, initial)
+    assert _folded(split, initial).equal(expected)  # (eagerly)
+    gm = _traced(split)
+    assert _batch(gm) == {"records": len(recorded), "folds": 1}
+    assert _run(gm, split, initial).equal(expected)
 
 
 def test_a_value_is_read_against_its_scale_and_bound() -> None:

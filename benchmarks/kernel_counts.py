@@ -1,0 +1,201 @@
+"""How many kernels a training step's compiled graphs launch on a GPU, counted without one.
+
+    python -m benchmarks.kernel_counts [--quick] [-o FILE]
+                                       # writes docs/results/kernel_counts[_quick].md
+
+On a GPU, the full models of ``benchmarks.overhead`` are bound by the host: it launches their
+kernels faster than an H200 runs them, so a step's time follows how many it launches
+(docs/results/step_profile_cuda.md). This counts them on a machine without a GPU. Each method's
+graphs are compiled by Inductor's Triton backend for CPU tensors (``cpu_backend="triton"``), with
+an H200's device properties standing in for the CPU's (how Inductor splits a reduction depends on
+the number of SMs), and each compiled graph's ``call`` is read for the kernels it launches: Triton
+kernels, and extern calls (GEMMs, which cuBLAS runs on a GPU). Nothing is compiled to machine code
+and nothing runs on a device: every Triton kernel is a stub that does nothing, so the steps compute
+garbage and only the graphs' structure is measured. The loss, ``step()`` (the optimizer, and
+torch.amp's unscaling) and torch.amp's own scale update are not in a compiled graph and are not
+counted; autoscale's update is a compiled graph, and is.
+
+Methods, for each model of ``benchmarks.overhead``:
+  (a) autoscale on a GPU: float16 GEMMs, and the points and checks in the GPU's form
+      (``autoscale.measure.ACCELERATOR_FORM``: each output written by its producer's kernel, each
+      reduction handed to the fold as partial results)
+  (a-cpu) the same in the CPU's form (``autoscale.measure.FORMS["cpu"]``): each point's output
+      written after its peak, in place; each reduction whole
+  (b) the baseline of ``benchmarks.overhead --device cuda``: torch.compile of the model under
+      ``torch.autocast(float16)``, with torch.amp.GradScaler
+
+The counts follow the GPU's: a 2026-11-27 GPU lease profiled torch.amp's full MLP at 32 kernels in
+its forward and 47 in its backward (docs/results/step_profile_cuda.md), where this counts 29 and 41
+in its graphs, the rest being the loss's kernels and ``scale()``'s multiply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import autoscale
+from autoscale import measure
+from benchmarks import Autocast, Size, publish, size_of, step_parser
+from benchmarks.overhead import MODELS, _Method
+
+__all__ = ["GRAPHS", "METHODS", "Counts", "count", "main", "report", "triton_codegen_on_cpu"]
+
+A_GPU, A_CPU_FORM, B = ("(a) autoscale, the GPU's form", "(a-cpu) autoscale, the CPU's form",
+                        "(b) torch.compile + autocast(float16) + torch.amp.GradScaler")
+METHODS = (A_GPU, A_CPU_FORM, B)
+GRAPHS = ("forward", "backward", "update")
+H200 = {"multi_processor_count": 132, "cc": 90, "major": 9, "regs_per_multiprocessor": 65536,
+        "max_threads_per_multi_processor": 2048, "max_threads_per_block": 1024, "warp_size": 32}
+"""The device properties Inductor's Triton codegen reads (``DeviceProperties``), an H200's."""
+
+
+@dataclasses.dataclass
+class Counts:
+    """The kernels one compiled graph launches per call."""
+
+    triton: int
+    extern: int
+
+
+@contextlib.contextmanager
+def triton_codegen_on_cpu(seen: list[tuple[str, Counts]]) -> Iterator[None]:
+    """Within: Inductor generates Triton for CPU tensors, with an H200's properties and stub
+    kernels (module docstring), and appends each graph it compiles to ``seen`` as (what the graph
+    is: ``GRAPHS``, its ``Counts``). Inductor's and AOTAutograd's caches are off, so that every
+    graph is generated. Everything patched is restored on the way out."""
+    import torch._inductor.config as inductor_config
+    import torch.utils._triton as torch_triton
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.runtime.hints import DeviceProperties
+
+    compile_to_module = GraphLowering.compile_to_module
+    gpu = DeviceProperties(type="cpu", index=None, **H200)  # type: ignore[arg-type]
+
+    def recorded(self: GraphLowering) -> Any:
+        module = compile_to_module(self)
+        kind = "backward" if self.is_backward else "update" if self.is_inference else "forward"
+        seen.append((kind, launches(Path(module.__file__).read_text())))
+        return module
+
+    patches: list[tuple[Any, str, Any]] = [
+        (torch_triton, "triton_hash_with_backend", lambda: "stub"),
+        (torch_triton, "triton_backend", lambda: None),
+        (AsyncCompile, "triton", lambda self, name, source, *a, **k: _Stub()),
+        (DeviceProperties, "create", classmethod(lambda cls, device: gpu)),
+        (GraphLowering, "compile_to_module", recorded),
+    ]
+    saved = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
+             for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        with inductor_config.patch(cpu_backend="triton", fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+class _Stub:
+    """A Triton kernel that launches nothing."""
+
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def launches(source: str) -> Counts:
+    """The kernels a compiled graph's module launches in its ``call``: Triton kernels' ``.run``, and
+    extern kernels (``extern_kernels.mm`` and the like)."""
+    body = source[source.index("def call("):]
+    return Counts(triton=len(re.findall(r"^\s+\w+\.run\(", body, re.M)),
+                  extern=len(re.findall(r"\bextern_kernels\.\w+\(", body)))
+
+
+def _forms(form: measure.Form) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A context in which CPU tensors take ``form`` (``autoscale.measure.FORMS``)."""
+
+    @contextlib.contextmanager
+    def within() -> Iterator[None]:
+        saved = measure.FORMS["cpu"]
+        measure.FORMS["cpu"] = form
+        try:
+            yield
+        finally:
+            measure.FORMS["cpu"] = saved
+
+    return within
+
+
+def count(name: str, size: Size) -> dict[str, dict[str, Counts]]:
+    """Per method (``METHODS``), the kernels of each graph a step of model ``name`` compiles."""
+    model, x, y = MODELS[name](size)
+    native = autoscale.backend(autoscale.Config(compute="native"))
+
+    def autoscale_on(m: nn.Module) -> _Method:
+        return _Method(torch.compile(m, backend=native), autoscale.GradScaler(m), m)
+
+    makers: dict[str, tuple[Callable[[nn.Module], _Method], measure.Form]] = {
+        A_GPU: (autoscale_on, measure.ACCELERATOR_FORM),
+        A_CPU_FORM: (autoscale_on, measure.FORMS["cpu"]),
+        B: (lambda m: _Method(torch.compile(Autocast(m, "cpu")), torch.amp.GradScaler("cpu"), m),
+            measure.FORMS["cpu"]),
+    }
+    out: dict[str, dict[str, Counts]] = {}
+    for label, (make, form) in makers.items():
+        seen: list[tuple[str, Counts]] = []
+        with triton_codegen_on_cpu(seen), _forms(form)():
+            torch._dynamo.reset()
+            make(copy.deepcopy(model)).step(x, y)
+        graphs = dict(seen)
+        if len(graphs) != len(seen):
+            raise RuntimeError(f"{label} on {name}: {[k for k, _ in seen]} compiled, one graph of each kind expected")
+        out[label] = graphs
+    return out
+
+
+def report(results: dict[str, dict[str, dict[str, Counts]]], *, size: Size) -> str:
+    """The Markdown report: Triton launches, and extern calls, per graph, step and method."""
+    lines = [
+        "# Kernels a step launches on a GPU" + ("" if size == "full" else f" (--{size})"), "",
+        (__doc__ or "").split("\n\n", 1)[1].strip(), "",
+        f"torch {torch.__version__}, {size} models; per graph: Triton kernels + extern calls (GEMMs).", "",
+        "| model | method | forward | backward | update | step | step / (b)'s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, methods in results.items():
+        base = _total(methods[B])
+        for label, graphs in methods.items():
+            cells = [f"{c.triton} + {c.extern}" if (c := graphs.get(g)) else "–" for g in GRAPHS]
+            total = _total(graphs)
+            lines.append(f"| {name} | {label} | {' | '.join(cells)} | {total} | {total / base:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _total(graphs: dict[str, Counts]) -> int:
+    return sum(c.triton + c.extern for c in graphs.values())
+
+
+def main() -> None:
+    args = step_parser(__doc__, "kernel_counts", "the small models (benchmarks.overhead --quick)").parse_args()
+    if args.device != "cpu":
+        raise SystemExit("kernel_counts counts a GPU's kernels without one: run it on the CPU (--device cpu)")
+    size = size_of(args)
+    publish(report({name: count(name, size) for name in MODELS}, size=size), "kernel_counts", args)
+
+
+if __name__ == "__main__":
+    main()

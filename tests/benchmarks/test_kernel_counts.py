@@ -1,0 +1,27 @@
+"""The kernel counter (``benchmarks.kernel_counts``) reads each compiled graph's launches without a GPU."""
+
+from __future__ import annotations
+
+from benchmarks.kernel_counts import A_CPU_FORM, A_GPU, GRAPHS, METHODS, B, count, launches, report
+
+
+def test_launches_are_read_from_a_graphs_call() -> None:
+    source = ("def other():\n    triton_poi_0.run(a)\n"
+              "def call(args):\n    triton_poi_fused_0.run(buf0, 8)\n    extern_kernels.mm(a, b, out=c)\n"
+              "    triton_red_fused_1.run(buf1, 4, 64)\n")
+    counts = launches(source)
+    assert (counts.triton, counts.extern) == (2, 1)
+
+
+def test_each_method_compiles_its_graphs_and_the_gpus_form_launches_fewer_kernels() -> None:
+    results = count("MLP", "quick")
+    assert tuple(results) == METHODS
+    assert set(results[A_GPU]) == set(GRAPHS) and set(results[B]) == {"forward", "backward"}
+    # the quick MLP's five linear layers: five GEMMs forward, nine backward (no input gradient first)
+    assert all((r["forward"].extern, r["backward"].extern) == (5, 9) for r in results.values())
+
+    def launched(label: str) -> int:
+        return sum(results[label][g].triton for g in ("forward", "backward"))
+
+    assert launched(B) < launched(A_GPU) < launched(A_CPU_FORM)
+    assert "| MLP | (b)" in report({"MLP": results}, size="quick")

@@ -1,0 +1,71 @@
+"""autoscale.measure's forms: a GPU's points and checks hand partial results, a CPU's whole ones,
+and either way a training step computes the same numbers, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoscale
+from autoscale import measure
+from autoscale.measure import ACCELERATOR_FORM, FORMS, PART_SIZE, counted, largest, whole
+
+
+@pytest.fixture
+def gpu_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors take the GPU's form (``ACCELERATOR_FORM``)."""
+    monkeypatch.setitem(FORMS, "cpu", ACCELERATOR_FORM)
+
+
+def test_on_the_cpu_a_reduction_is_whole() -> None:
+    x = torch.randn(64, PART_SIZE)
+    assert largest(x.abs()).shape == (1,) and counted(x > 0).shape == ()
+
+
+@pytest.mark.usefixtures("gpu_form")
+def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None:
+    """As many as the form takes, halved until each reduces ``PART_SIZE`` elements or more and
+    they divide the value; whole for a small value and for one not laid out in order (its partial
+    results would read it through a copy)."""
+    x = torch.randn(4 * PART_SIZE).abs()
+    peaks, counts = largest(x), counted(x > 1.0)
+    assert peaks.shape == (4,) and counts.shape == (4,)
+    assert whole(peaks, "max").equal(x.amax()) and whole(counts, "sum") == (x > 1.0).sum()
+    assert largest(torch.randn(1024, 1024).abs()).shape == (ACCELERATOR_FORM.parts,)
+    assert largest(torch.randn(3 * PART_SIZE).abs()).shape == (2,)  # (3 parts do not halve from 128)
+    assert largest(torch.randn(PART_SIZE + 1).abs()).shape == (1,)
+    assert largest(torch.randn(64, 4 * PART_SIZE).t().abs()).shape == (1,)  # (not contiguous)
+    assert largest(torch.full((4 * PART_SIZE,), float("nan"))).isnan().all()
+
+
+def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], torch.Tensor,
+                                                                           list[autoscale.LayerReport]]:
+    monkeypatch.setitem(FORMS, "cpu", form)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    # (8,192-element weights and 4,096-element activations: reductions of 8 and 4 partial results)
+    model = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 10))
+    x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
+    scaler, opt = autoscale.GradScaler(model), torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="autoscale")
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(compiled(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler._last_stats is not None
+    return [p.detach().clone() for p in model.parameters()], scaler._last_stats.clone(), scaler.layers()
+
+
+def test_a_gpus_form_trains_bit_for_bit_as_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled here in the GPU's form (outputs written by their producers' kernels, reductions
+    handed to the fold as partial results), a model trains to the same parameters, statistics and
+    layer reports as in the CPU's, bit for bit: max and integer counts are exact in any order."""
+    cpu = _trained(FORMS["cpu"], monkeypatch)
+    gpu = _trained(ACCELERATOR_FORM, monkeypatch)
+    assert all(a.equal(b) for a, b in zip(cpu[0], gpu[0], strict=True))
+    assert cpu[1].equal(gpu[1]) and cpu[2] == gpu[2]
+    assert cpu[1][:, measure.STAT["amax"]].gt(0).sum() >= 2  # (the layers measured something)
