@@ -37,7 +37,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from autoscale.measure import LOSS_ROW, MODES, reading, set_scale
+from autoscale.measure import LOSS_ROW, MODES, reading, set_scale, taken
 
 from .graph_utils import new_constant, new_fake_call, provenance
 from .manager import PassResult
@@ -52,6 +52,9 @@ _RECORD = torch.ops.autoscale.record.default
 _COPY = torch.ops.aten.copy.default
 _COPY_ = torch.ops.aten.copy_.default
 aten = torch.ops.aten
+_WIDE = 32
+"""A cell of more values than this (of one mode, combined by max) is reduced over the vector with a
+mask, not gathered (``_Builder.fold``)."""
 _COMBINES = {"max": (aten.amax.default, aten.maximum.default), "sum": (aten.sum.dim_IntList, aten.add.Tensor)}
 """Per way a cell combines (``MODES``): the reduction over a cell's values, and how it joins the cell."""
 
@@ -142,95 +145,113 @@ class _Builder:
     def fold(self, stats: Node, scales: Node | None, readings: Sequence[_Reading], cells: Sequence[int],
              modes: Sequence[int]) -> Node:
         """The points' values in one vector, read (``reading``) against the ``scales`` their
-        points' scales are sets of, what each mode takes of it side by side (``MODES``), then per
-        combine one gather, one reduction and one ``index_put``."""
-        device = stats.meta["val"].device
+        points' scales are sets of, and what each mode takes of it side by side (``MODES``); one
+        masked gather of each cell's values, reduced both ways (``both``); then the new statistics
+        in one elementwise pass, each cell joined with its reduction the way its column combines.
+        The numbers a graph says a value always is (``_constant``: an element count) are taken and
+        combined per cell here, not gathered."""
+        device, shape = stats.meta["val"].device, list(stats.meta["val"].shape)
+        known = {r: k for r in readings if (k := _constant(r.value)) is not None}
         summed = {r for r, m in zip(readings, modes, strict=True) if MODES[m][0] == "sum"}
-        partial = any(_numel(r.value) > 1 for r in readings)
-        # (a point records one value in several cells; the computed values first and, with partial
-        # results, those combined by max before those summed: ``read``)
-        unique = sorted(dict.fromkeys(readings),
-                        key=lambda r: (_constant(r.value) is not None, partial and r in summed))
-        vector = self.read(unique, scales, device, summed)
-        width = len(unique) + 1  # (and a 0, the padding's: every mode takes 0 of it)
+        unique = list(dict.fromkeys(r for r in readings if r not in known))
         position = {r: j for j, r in enumerate(unique)}
+        used = sorted({m for r, m in zip(readings, modes, strict=True) if r not in known})
+        block = {m: b for b, m in enumerate(used)}
+        by_cell: dict[int, list[int]] = defaultdict(list)
+        fixed: dict[int, list[float]] = defaultdict(list)
+        combine: dict[int, str] = {}
+        for r, cell, m in zip(readings, cells, modes, strict=True):
+            combine[cell] = MODES[m][0]
+            if r in known:
+                fixed[cell].append(float(taken(m, torch.tensor(known[r]))))
+            else:
+                by_cell[cell].append(block[m] * len(unique) + position[r])
+        every = range(math.prod(shape))
+        maxed = self.constant([combine.get(c) == "max" for c in every], device)
+        # (the constants' part of each cell: -inf where none is combined by max, 0 by sum)
+        most = self.constant([max(fixed[c], default=-math.inf) for c in every], device, dtype=torch.float32)
+        total = self.constant([sum(fixed[c]) for c in every], device, dtype=torch.float32)
+        if unique:
+            vector = self.read(unique, scales, device, summed)
+            parts = [MODES[m][1](self.op, vector) for m in used]
+            taken_all = parts[0] if len(parts) == 1 else self.call(aten.cat.default, (parts,))
+            # (a cell of many values of one mode combined by max, as ``ANY_NONFINITE`` takes every
+            # point's, is a masked maximum over that mode's part of the vector instead: gathered, its
+            # row would be the widest by far, and every other row padded to it)
+            wide: dict[int, int] = {}  # (cell: the block of its mode in ``taken_all``)
+            for c, js in by_cell.items():
+                blocks = {j // len(unique) for j in js}
+                if len(js) > _WIDE and combine[c] == "max" and len(blocks) == 1:
+                    wide[c] = blocks.pop()
+            rows = [[] if c in wide else by_cell.get(c, []) for c in every]
+            gathered_most, gathered_total = self.both(taken_all, rows, device)
+            most = self.call(aten.maximum.default, (gathered_most, most))
+            total = self.call(aten.add.Tensor, (gathered_total, total))
+            for b in sorted(set(wide.values())):
+                cells_b = [c for c in every if wide.get(c) == b]
+                mask = [[j in {x % len(unique) for x in by_cell[c]} for j in range(len(unique))] for c in cells_b]
+                chosen = self.call(aten.where.ScalarOther, (self.constant(mask, device), parts[b], -math.inf))
+                largest = self.call(aten.amax.default, (chosen, [1]))
+                slot = {c: k for k, c in enumerate(cells_b)}
+                index = self.constant([slot.get(c, 0) for c in every], device)
+                spread = self.call(aten.index.Tensor, (largest, [index]))
+                most = self.call(aten.where.self, (self.constant([c in slot for c in every], device),
+                                                   self.call(aten.maximum.default, (most, spread)), most))
+        # (each cell of the statistics joined with its values, the way its column combines)
         flat = self.call(aten.view.default, (stats, [-1]))
-        for combine, (reduce, joined) in _COMBINES.items():
-            used = sorted({m for m in modes if MODES[m][0] == combine})
-            if not used:
-                continue
-            block = {m: b for b, m in enumerate(used)}
-            taken = [MODES[m][1](self.op, vector) for m in used]
-            taken_all = taken[0] if len(taken) == 1 else self.call(aten.cat.default, (taken,))
-            by_cell: dict[int, list[int]] = defaultdict(list)
-            for r, cell, m in zip(readings, cells, modes, strict=True):
-                if m in block:
-                    by_cell[cell].append(block[m] * width + position[r])
-            targets = sorted(by_cell)
-            most = max(len(js) for js in by_cell.values())
-            plan = [by_cell[c] + [len(unique)] * (most - len(by_cell[c])) for c in targets]
-            where = self.constant(targets, device)
-            gathered = self.call(aten.index.Tensor, (taken_all, [self.constant(plan, device)]))
-            reduced = self.call(reduce, (gathered, [1]))
-            current = self.call(aten.index.Tensor, (flat, [where]))
-            flat = self.call(aten.index_put.default, (flat, [where], self.call(joined, (current, reduced))))
-        return self.call(aten.view.default, (flat, list(stats.meta["val"].shape)))
+        out = self.call(aten.where.self, (
+            maxed, self.call(aten.maximum.default, (flat, most)),
+            self.call(aten.where.self, (self.constant([combine.get(c) == "sum" for c in every], device),
+                                        self.call(aten.add.Tensor, (flat, total)), flat))))
+        return self.call(aten.view.default, (out, shape))
+
+    def both(self, values: Node, rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Node, Node]:
+        """``values`` gathered into one row per list of ``rows`` (a constant index, padded to the
+        longest row and masked), and each row's largest and sum (-inf and 0 for an empty row). Both
+        reductions read the one gather, and Inductor computes them in one kernel (one launch on a
+        GPU, where each way apart was a launch of its own); padded with an element of ``values``'
+        concatenation instead, the padding was a piece of its own, a copy."""
+        widest = max(1, *(len(row) for row in rows))
+        plan = [[*row, *[0] * (widest - len(row))] for row in rows]
+        mask = self.constant([[j < len(row) for j in range(widest)] for row in rows], device)
+        picked = self.call(aten.index.Tensor, (values, [self.constant(plan, device)]))
+        most = self.call(aten.amax.default, (self.call(aten.where.ScalarOther, (mask, picked, -math.inf)), [1]))
+        total = self.call(aten.sum.dim_IntList, (self.call(aten.where.ScalarOther, (mask, picked, 0.0)), [1]))
+        return most, total
 
     def read(self, readings: Sequence[_Reading], scales: Node | None, device: torch.device,
              summed: set[_Reading]) -> Node:
-        """Each reading's value (``reading``), and a 0 after them, as one vector. The values side by
-        side: the computed ones, then (``readings`` orders them so) the numbers a graph says they
-        always are (``_constant``: an element count). Their scales from ``scales`` directly, each
-        set's largest for all readings at once (``largest``), not from the points' reads of the
-        sets: those would be a piece each of another concatenation, where the readings' rows are
-        one constant mask. Values handed as partial results (``autoscale.measure.Form.parts``) are
-        reduced first, by max, or by sum for those in ``summed`` (``whole``)."""
-        known = [_constant(r.value) for r in readings]
-        computed = [r for r, k in zip(readings, known, strict=True) if k is None]
-        constants = self.constant([*(k for k in known if k is not None), 0.0], device, dtype=torch.float32)
-        if any(_numel(r.value) > 1 for r in computed):
-            vector = self.call(aten.cat.default, ([*self.wholes(computed, summed, device), constants],))
+        """Each reading's value (``reading``), as one vector. Their scales from ``scales``
+        directly, each set's largest for all readings at once (``largest``), not from the points'
+        reads of the sets: those would be a piece each of another concatenation, where the
+        readings' rows are one constant mask. Values handed as partial results
+        (``autoscale.measure.Form.parts``) are first reduced to one (``whole``), by sum for those
+        in ``summed``, else by max: their elements side by side, gathered per value (``both``)."""
+        if any(_numel(r.value) > 1 for r in readings):
+            pieces = [r.value if len(r.value.meta["val"].shape) == 1 else self.call(aten.view.default, (r.value, [-1]))
+                      for r in readings]
+            ends = list(itertools.accumulate(_numel(r.value) for r in readings))
+            spans = [range(end - _numel(r.value), end) for r, end in zip(readings, ends, strict=True)]
+            most, total = self.both(self.call(aten.cat.default, (pieces,)), spans, device)
+            vector = self.call(aten.where.self, (self.constant([r in summed for r in readings], device), total, most))
         else:
             # (a one-element vector, as points and checks hand their peaks over, is a piece as it
             # is: Inductor then writes the reduction into its slot; a view of a value, it copies there)
             pieces = [r.value if tuple(r.value.meta["val"].shape) == (1,)
-                      else self.call(aten.view.default, (r.value, [1])) for r in computed]
-            vector = self.call(aten.cat.default, ([*pieces, constants],))
+                      else self.call(aten.view.default, (r.value, [1])) for r in readings]
+            vector = self.call(aten.cat.default, (pieces,))
         if all(r.scale is None and r.bound == math.inf for r in readings):  # (read as they are)
             return vector
         return reading(self.op, vector, self.largest(scales, [_rows(r.scale) for r in readings], device),
-                       self.constant([*(r.bound for r in readings), math.inf], device, dtype=torch.float32))
-
-    def wholes(self, computed: Sequence[_Reading], summed: set[_Reading], device: torch.device) -> list[Node]:
-        """The ``computed`` values, each reduced to one (``autoscale.measure.whole``), as one vector
-        per way they combine, those by max first (``computed`` is so ordered): the values' elements
-        side by side, then gathered per value by a constant plan, padded with an element that
-        leaves its reduction unchanged (-inf for a max, 0 for a sum), and reduced."""
-        flat = [r.value if len(r.value.meta["val"].shape) == 1 else self.call(aten.view.default, (r.value, [-1]))
-                for r in computed]
-        ends = list(itertools.accumulate(_numel(r.value) for r in computed))
-        pad = ends[-1] if ends else 0
-        elements = self.call(aten.cat.default, ([*flat, self.constant([-math.inf, 0.0], device, dtype=torch.float32)],))
-        out = []
-        for combine, (reduce, _) in _COMBINES.items():
-            chosen = [j for j, r in enumerate(computed) if (r in summed) == (combine == "sum")]
-            if not chosen:
-                continue
-            spans = [range(ends[j] - _numel(computed[j].value), ends[j]) for j in chosen]
-            widest = max(len(span) for span in spans)
-            filler = pad + (combine == "sum")
-            plan = [[*span, *[filler] * (widest - len(span))] for span in spans]
-            gathered = self.call(aten.index.Tensor, (elements, [self.constant(plan, device)]))
-            out.append(self.call(reduce, (gathered, [1])))
-        return out
+                       self.constant([r.bound for r in readings], device, dtype=torch.float32))
 
     def largest(self, scales: Node | None, sets: Sequence[tuple[int, ...]], device: torch.device) -> Node:
-        """Per set of rows, and for a last set of none, the largest of its scales (1 for none: the
-        loss row's, ``LOSS_ROW``), as ``autoscale.measure.set_scale`` reads one: a masked maximum."""
+        """Per set of rows, the largest of its scales (1 for none: the loss row's, ``LOSS_ROW``), as
+        ``autoscale.measure.set_scale`` reads one: a masked maximum."""
         if scales is None:  # (every set is none)
-            return self.constant([1.0] * (len(sets) + 1), device, dtype=torch.float32)
+            return self.constant([1.0] * len(sets), device, dtype=torch.float32)
         rows = scales.meta["val"].shape[0]
-        mask = [[r in (s or (LOSS_ROW,)) for r in range(rows)] for s in [*sets, ()]]
+        mask = [[r in (s or (LOSS_ROW,)) for r in range(rows)] for s in sets]
         chosen = self.call(aten.where.ScalarOther, (self.constant(mask, device), scales, 0.0))
         return self.call(aten.amax.default, (chosen, [1]))
 

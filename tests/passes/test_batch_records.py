@@ -7,7 +7,9 @@ modes; and end to end, a compiled model's statistics with and without the pass.
 
 from __future__ import annotations
 
+import importlib
 import math
+import unittest.mock
 
 import torch
 from hypothesis import given, settings
@@ -21,6 +23,7 @@ from autoscale.measure import ARRIVED, BAD, MADE, MAX, NUM_STATS, PEAK, STAT, SU
 from autoscale.passes import PassSpec, batch_records, run_stage
 from tests.helpers import step_through_pipeline
 
+batch_records_module = importlib.import_module("autoscale.passes.batch_records")
 RECORD = torch.ops.autoscale.record.default
 ROWS = 5
 
@@ -160,6 +163,19 @@ def test_values_handed_as_partial_results_fold_as_their_whole(recorded: list[lis
     gm = _traced(split)
     assert _batch(gm) == {"records": len(recorded), "folds": 1}
     assert _run(gm, split, initial).equal(expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(recorded=points)
+def test_a_cell_of_many_values_folds_alike_by_a_masked_maximum(recorded: list[list[Recorded]]) -> None:
+    """A cell of more than ``_WIDE`` values of one mode combined by max (``ANY_NONFINITE`` takes
+    every point's) is reduced over the vector with a mask, not gathered: the same result (here
+    every such cell of more than one value)."""
+    initial = torch.arange(ROWS * NUM_STATS, dtype=torch.float32).view(ROWS, NUM_STATS)
+    gm = _traced(recorded)
+    with unittest.mock.patch.object(batch_records_module, "_WIDE", 1):
+        _batch(gm)
+    assert _run(gm, recorded, initial).equal(_folded(recorded, initial))
 
 
 def test_a_value_is_read_against_its_scale_and_bound() -> None:
