@@ -104,7 +104,7 @@ class Form(NamedTuple):
 
 FORMS: dict[str, Form] = {"cpu": Form(in_place=True, parts=1)}
 """The form per device type; every other device (CUDA) takes ``ACCELERATOR_FORM``."""
-ACCELERATOR_FORM = Form(in_place=False, parts=128)
+ACCELERATOR_FORM = Form(in_place=False, parts=512)
 PART_SIZE = 1024
 """The fewest elements a partial result reduces: a value of fewer than ``2 * PART_SIZE`` elements is
 reduced whole."""
@@ -115,20 +115,21 @@ def form_of(device: torch.device) -> Form:
     return FORMS.get(device.type, ACCELERATOR_FORM)
 
 
-def _parts(x: torch.Tensor) -> int:
-    """How many partial results a reduction over all of ``x`` gives (``Form.parts``): the most its
-    device's form takes, halved until each reduces at least ``PART_SIZE`` elements and they divide
-    ``x``; 1 for a value whose size or layout is symbolic, or that is not contiguous (its partial
-    results would read it through a copy; whole, ``passes/reduce_at_source.py`` reads its
-    source)."""
+def _partial(x: torch.Tensor) -> torch.Tensor | None:
+    """``x``'s elements in memory order as ``[parts, -1]`` (``Form.parts``), for a reduction over all
+    of them to hand on as partial results: as many parts as its device's form takes, halved until
+    each has at least ``PART_SIZE`` elements and they divide ``x``. None where it would be one part,
+    and for a value whose size or layout is symbolic, or whose elements are not dense in memory (its
+    partial results would read it through a copy; whole, ``passes/reduce_at_source.py`` has it read
+    its source). A value laid out in another order (a channels-last gradient) is read in its own,
+    which no reduction over all of it depends on."""
     parts, n = form_of(x.device).parts, x.numel()
     if parts <= 1 or not isinstance(n, int) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
-        return 1
-    if not x.is_contiguous():
-        return 1
+        return None
     while parts > 1 and (n % parts or n // parts < PART_SIZE):
         parts //= 2
-    return parts
+    dense = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride(d))) if x.dim() else x
+    return dense.reshape(parts, -1) if parts > 1 and dense.is_contiguous() else None
 
 
 def whole(value: torch.Tensor, combine: str) -> torch.Tensor:
@@ -302,8 +303,8 @@ def largest(x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(1)
     if x.dim() == 0:
         return x.reshape(1)
-    if (parts := _parts(x)) > 1:  # (partial maxima, which the fold reduces: ``Form.parts``)
-        return x.reshape(parts, -1).amax(1)
+    if (parts := _partial(x)) is not None:  # (partial maxima, which the fold reduces: ``Form.parts``)
+        return parts.amax(1)
     # (over a leading unit dimension, not a flattened view: the reduction then indexes ``x`` as
     # the op writing ``x`` does, and Inductor fuses the two as for a 0-dim max)
     return x.unsqueeze(0).amax(list(range(1, x.dim() + 1)))
@@ -312,8 +313,8 @@ def largest(x: torch.Tensor) -> torch.Tensor:
 def counted(where: torch.Tensor) -> torch.Tensor:
     """How many elements of ``where`` hold, in float32 (exact below 2^24): one count, or partial
     counts that the fold sums (``Form.parts``)."""
-    if (parts := _parts(where)) > 1:
-        return where.reshape(parts, -1).sum(1, dtype=torch.int32).float()
+    if (parts := _partial(where)) is not None:
+        return parts.sum(1, dtype=torch.int32).float()
     return where.sum(dtype=torch.int32).float()
 
 

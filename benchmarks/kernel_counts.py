@@ -171,7 +171,7 @@ def report(results: dict[str, dict[str, dict[str, Counts]]], *, size: Size) -> s
     """The Markdown report: Triton launches, and extern calls, per graph, step and method."""
     lines = [
         "# Kernels a step launches on a GPU" + ("" if size == "full" else f" (--{size})"), "",
-        (__doc__ or "").split("\n\n", 1)[1].strip(), "",
+        (__doc__ or "").split("\n\n", 1)[1].strip("\n"), "",
         f"torch {torch.__version__}, {size} models; per graph: Triton kernels + extern calls (GEMMs).", "",
         "| model | method | forward | backward | update | step | step / (b)'s |",
         "|---|---|---|---|---|---|---|",

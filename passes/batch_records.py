@@ -8,12 +8,16 @@ fold at its end: the points' values concatenated, each read against the scale it
 leaves with (``autoscale.measure.reading``: a peak at unit scale, or the mark of an overflow the
 point's scaling made), what each cell's mode takes of them computed for the whole vector at once
 (``autoscale.measure.MODES``: the flags a point's one number marks),
-gathered per cell with a constant index plan, reduced (max or sum, as each cell combines) and
-written into their cells with one ``index_put`` per kind. The result is the same as folding point
-by point: every point's values are computed before the end of the chain, each cell is combined
-one way (its column's; a chain that mixes them is left alone), and max is associative and
-commutative, as is a sum of counts (integers, exact in float32 below 2^24). Σ g and Σ g² (the
-"paper" rule's moments) are summed in another order, so they may differ in the last bit.
+gathered per cell with a constant index plan and mask, reduced (max or sum, as each cell
+combines: both at once), and joined with the tensor in one elementwise pass. Values handed as
+partial results (a GPU's points hand them so: ``autoscale.measure.Form``) are reduced to one
+first, the same way. On a GPU that is three kernels: per way of combining, the fold had been a
+gather, a reduction, an ``index`` and an ``index_put``, ten kernels in all
+(docs/results/kernel_counts.md). The result is the same as folding point by point: every
+point's values are computed before the end of the chain, each cell is combined one way (its
+column's; a chain that mixes them is left alone), and max is associative and commutative, as is
+a sum of counts (integers, exact in float32 below 2^24). Σ g and Σ g² (the "paper" rule's
+moments) are summed in another order, so they may differ in the last bit.
 
 Why: folded point by point, each update was a few ops over the whole tensor, which Inductor
 rewrote in full at every point; on a 1+1-layer T5 the statistics were 3,000 of its backward's

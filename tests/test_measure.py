@@ -29,7 +29,7 @@ def test_on_the_cpu_a_reduction_is_whole() -> None:
 def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None:
     """As many as the form takes, halved until each reduces ``PART_SIZE`` elements or more and
     they divide the value; whole for a small value and for one not laid out in order (its partial
-    results would read it through a copy)."""
+    results would read it through a copy); one laid out in another order, in its own."""
     x = torch.randn(4 * PART_SIZE).abs()
     peaks, counts = largest(x), counted(x > 1.0)
     assert peaks.shape == (4,) and counts.shape == (4,)
@@ -37,7 +37,10 @@ def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None
     assert largest(torch.randn(1024, 1024).abs()).shape == (ACCELERATOR_FORM.parts,)
     assert largest(torch.randn(3 * PART_SIZE).abs()).shape == (2,)  # (3 parts do not halve from 128)
     assert largest(torch.randn(PART_SIZE + 1).abs()).shape == (1,)
-    assert largest(torch.randn(64, 4 * PART_SIZE).t().abs()).shape == (1,)  # (not contiguous)
+    transposed = torch.randn(64, 4 * PART_SIZE).t().abs()  # (read in its memory order)
+    assert largest(transposed).shape == (ACCELERATOR_FORM.parts // 2,)
+    assert whole(largest(transposed), "max").equal(transposed.amax())
+    assert largest(torch.randn(64, 8 * PART_SIZE).abs()[:, ::2]).shape == (1,)  # (not dense)
     assert largest(torch.full((4 * PART_SIZE,), float("nan"))).isnan().all()
 
 
