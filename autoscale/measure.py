@@ -128,7 +128,7 @@ def _partial(x: torch.Tensor) -> torch.Tensor | None:
         return None
     while parts > 1 and (n % parts or n // parts < PART_SIZE):
         parts //= 2
-    dense = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride(d))) if x.dim() else x
+    dense = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride()[d])) if x.dim() else x
     return dense.reshape(parts, -1) if parts > 1 and dense.is_contiguous() else None
 
 
