@@ -118,15 +118,19 @@ def form_of(device: torch.device) -> Form:
 def _partial(x: torch.Tensor) -> torch.Tensor | None:
     """``x``'s elements in memory order as ``[parts, -1]`` (``Form.parts``), for a reduction over all
     of them to hand on as partial results: as many parts as its device's form takes, halved until
-    each has at least ``PART_SIZE`` elements and they divide ``x``. None where it would be one part,
-    and for a value whose size or layout is symbolic, or whose elements are not dense in memory (its
-    partial results would read it through a copy; whole, ``passes/reduce_at_source.py`` has it read
-    its source). A value laid out in another order (a channels-last gradient) is read in its own,
+    each has at least ``PART_SIZE`` elements and they divide ``x``; a value of no more elements
+    than that, one part each (no reduction at all: a bias's gradient, whose reduction, over the
+    output of the batch's, was a kernel of its own). None where it would be one part, and for a
+    value whose size or layout is symbolic, or whose elements are not dense in memory (its partial
+    results would read it through a copy; whole, ``passes/reduce_at_source.py`` has it read its
+    source). A value laid out in another order (a channels-last gradient) is read in its own,
     which no reduction over all of it depends on."""
     parts, n = form_of(x.device).parts, x.numel()
     if parts <= 1 or not isinstance(n, int) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
         return None
-    while parts > 1 and (n % parts or n // parts < PART_SIZE):
+    if n <= parts:
+        parts = n
+    while parts > 1 and (n % parts or (n > parts and n // parts < PART_SIZE)):
         parts //= 2
     dense = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride()[d])) if x.dim() else x
     return dense.reshape(parts, -1) if parts > 1 and dense.is_contiguous() else None

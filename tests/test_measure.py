@@ -28,8 +28,9 @@ def test_on_the_cpu_a_reduction_is_whole() -> None:
 @pytest.mark.usefixtures("gpu_form")
 def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None:
     """As many as the form takes, halved until each reduces ``PART_SIZE`` elements or more and
-    they divide the value; whole for a small value and for one not laid out in order (its partial
-    results would read it through a copy); one laid out in another order, in its own."""
+    they divide the value; one per element for a value of no more elements than that; whole for one
+    not dense in memory (its partial results would read it through a copy); one laid out in
+    another order, in its own."""
     x = torch.randn(4 * PART_SIZE).abs()
     peaks, counts = largest(x), counted(x > 1.0)
     assert peaks.shape == (4,) and counts.shape == (4,)
@@ -37,6 +38,9 @@ def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None
     assert largest(torch.randn(1024, 1024).abs()).shape == (ACCELERATOR_FORM.parts,)
     assert largest(torch.randn(3 * PART_SIZE).abs()).shape == (2,)  # (3 parts do not halve from 128)
     assert largest(torch.randn(PART_SIZE + 1).abs()).shape == (1,)
+    small = torch.randn(10, 30).abs()  # (no more elements than parts: each its own, no reduction)
+    assert largest(small).shape == (300,) and whole(largest(small), "max").equal(small.amax())
+    assert counted(small > 1.0).shape == (300,)
     transposed = torch.randn(64, 4 * PART_SIZE).t().abs()  # (read in its memory order)
     assert largest(transposed).shape == (ACCELERATOR_FORM.parts // 2,)
     assert whole(largest(transposed), "max").equal(transposed.amax())
