@@ -90,7 +90,7 @@ class Form(NamedTuple):
     writes it over the gradient's own buffer, in a second pass after the peak's. On the CPU a cold
     buffer cost more than that cache-warm pass (a transformer block's GELU backward kernel 1.0 ms
     against 0.5 ms in place), and the one-pass form was slower on every model of
-    ``benchmarks.overhead`` (docs/results/kernel_counts.md). On a GPU the second pass is a launch
+    ``benchmarks.overhead`` (docs/results/overhead_quick.md). On a GPU the second pass is a launch
     of its own per point, after the reduction's: without the dependency the producer's kernel
     writes the output."""
     parts: int
@@ -106,8 +106,8 @@ FORMS: dict[str, Form] = {"cpu": Form(in_place=True, parts=1)}
 """The form per device type; every other device (CUDA) takes ``ACCELERATOR_FORM``."""
 ACCELERATOR_FORM = Form(in_place=False, parts=512)
 PART_SIZE = 1024
-"""The fewest elements a partial result reduces: a value of fewer than ``2 * PART_SIZE`` elements is
-reduced whole."""
+"""The fewest elements a partial result reduces (``_partial``), but for a value of no more elements
+than its form's ``parts``, whose elements are handed on as they are."""
 
 
 def form_of(device: torch.device) -> Form:
@@ -302,7 +302,8 @@ def largest(x: torch.Tensor) -> torch.Tensor:
     that piece: Inductor writes it straight into its slot of the vector. A 0-dim peak reached the
     vector through a view, which Inductor copies into a concatenation: a 0-dim buffer and a copy
     per value (in the quick MLP's forward, a serial block with a barrier per check in the fold's
-    kernel) and, in the backward, reductions left in kernels of their own (docs/scaling.md)."""
+    kernel) and, in the backward, reductions left in kernels of their own (docs/scaling.md). On a
+    GPU, partial maxima instead, which the fold reduces (``Form.parts``)."""
     if not x.numel():
         return x.new_zeros(1)
     if x.dim() == 0:

@@ -47,7 +47,7 @@ from autoscale import measure
 from benchmarks import Autocast, Size, publish, size_of, step_parser
 from benchmarks.overhead import MODELS, _Method
 
-__all__ = ["GRAPHS", "METHODS", "Counts", "count", "main", "report", "triton_codegen_on_cpu"]
+__all__ = ["GRAPHS", "METHODS", "Counts", "count", "launches", "main", "report", "triton_codegen_on_cpu"]
 
 A_GPU, A_CPU_FORM, B = ("(a) autoscale, the GPU's form", "(a-cpu) autoscale, the CPU's form",
                         "(b) torch.compile + autocast(float16) + torch.amp.GradScaler")
@@ -125,19 +125,15 @@ def launches(source: str) -> Counts:
                   extern=len(re.findall(r"\bextern_kernels\.\w+\(", body)))
 
 
-def _forms(form: measure.Form) -> Callable[[], contextlib.AbstractContextManager[None]]:
-    """A context in which CPU tensors take ``form`` (``autoscale.measure.FORMS``)."""
-
-    @contextlib.contextmanager
-    def within() -> Iterator[None]:
-        saved = measure.FORMS["cpu"]
-        measure.FORMS["cpu"] = form
-        try:
-            yield
-        finally:
-            measure.FORMS["cpu"] = saved
-
-    return within
+@contextlib.contextmanager
+def _cpu_form(form: measure.Form) -> Iterator[None]:
+    """Within: CPU tensors take ``form`` (``autoscale.measure.FORMS``)."""
+    saved = measure.FORMS["cpu"]
+    measure.FORMS["cpu"] = form
+    try:
+        yield
+    finally:
+        measure.FORMS["cpu"] = saved
 
 
 def count(name: str, size: Size) -> dict[str, dict[str, Counts]]:
@@ -157,7 +153,7 @@ def count(name: str, size: Size) -> dict[str, dict[str, Counts]]:
     out: dict[str, dict[str, Counts]] = {}
     for label, (make, form) in makers.items():
         seen: list[tuple[str, Counts]] = []
-        with triton_codegen_on_cpu(seen), _forms(form)():
+        with triton_codegen_on_cpu(seen), _cpu_form(form):
             torch._dynamo.reset()
             make(copy.deepcopy(model)).step(x, y)
         graphs = dict(seen)

@@ -59,8 +59,6 @@ aten = torch.ops.aten
 _WIDE = 32
 """A cell of more values than this (of one mode, combined by max) is reduced over the vector with a
 mask, not gathered (``_Builder.fold``)."""
-_COMBINES = {"max": (aten.amax.default, aten.maximum.default), "sum": (aten.sum.dim_IntList, aten.add.Tensor)}
-"""Per way a cell combines (``MODES``): the reduction over a cell's values, and how it joins the cell."""
 
 
 def batch_records(gm: GraphModule, cfg: Config) -> PassResult:
@@ -193,7 +191,8 @@ class _Builder:
             total = self.call(aten.add.Tensor, (gathered_total, total))
             for b in sorted(set(wide.values())):
                 cells_b = [c for c in every if wide.get(c) == b]
-                mask = [[j in {x % len(unique) for x in by_cell[c]} for j in range(len(unique))] for c in cells_b]
+                members = [{j % len(unique) for j in by_cell[c]} for c in cells_b]
+                mask = [[j in m for j in range(len(unique))] for m in members]
                 chosen = self.call(aten.where.ScalarOther, (self.constant(mask, device), parts[b], -math.inf))
                 largest = self.call(aten.amax.default, (chosen, [1]))
                 slot = {c: k for k, c in enumerate(cells_b)}
