@@ -48,17 +48,18 @@ def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None
     assert largest(torch.full((4 * PART_SIZE,), float("nan"))).isnan().all()
 
 
-def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], torch.Tensor,
-                                                                           list[autoscale.LayerReport]]:
+def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch, config: autoscale.Config
+             ) -> tuple[list[torch.Tensor], torch.Tensor, list[autoscale.LayerReport]]:
     monkeypatch.setitem(FORMS, "cpu", form)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    # (8,192-element weights and 4,096-element activations: reductions of 8 and 4 partial results)
+    # (8,192-element weights and 4,096-element activations: reductions of 8 and 4 partial results;
+    # 64- and 10-element biases: handed as their elements)
     model = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 10))
     x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
-    scaler, opt = autoscale.GradScaler(model), torch.optim.SGD(model.parameters(), lr=0.1)
-    compiled = torch.compile(model, backend="autoscale")
-    for _ in range(3):
+    scaler, opt = autoscale.GradScaler(model, config), torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend=autoscale.backend(config))
+    for _ in range(5):  # (the last measured, with measure_every=2 too)
         opt.zero_grad()
         scaler.scale(F.cross_entropy(compiled(x), y)).backward()
         scaler.step(opt)
@@ -67,12 +68,18 @@ def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch) -> tuple[list[
     return [p.detach().clone() for p in model.parameters()], scaler._last_stats.clone(), scaler.layers()
 
 
-def test_a_gpus_form_trains_bit_for_bit_as_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("config", [
+    autoscale.Config(),
+    autoscale.Config(executor="eager"),  # (the points and the fold run as ops, not compiled kernels)
+    autoscale.Config(scaling=autoscale.ScalingConfig(measure_every=2)),
+    autoscale.Config(scaling=autoscale.ScalingConfig(rule="paper")),
+], ids=["inductor", "eager", "measure_every", "paper"])
+def test_a_gpus_form_trains_bit_for_bit_as_the_cpus(monkeypatch: pytest.MonkeyPatch, config: autoscale.Config) -> None:
     """Compiled here in the GPU's form (outputs written by their producers' kernels, reductions
     handed to the fold as partial results), a model trains to the same parameters, statistics and
     layer reports as in the CPU's, bit for bit: max and integer counts are exact in any order."""
-    cpu = _trained(FORMS["cpu"], monkeypatch)
-    gpu = _trained(ACCELERATOR_FORM, monkeypatch)
+    cpu = _trained(FORMS["cpu"], monkeypatch, config)
+    gpu = _trained(ACCELERATOR_FORM, monkeypatch, config)
     assert all(a.equal(b) for a, b in zip(cpu[0], gpu[0], strict=True))
     assert cpu[1].equal(gpu[1]) and cpu[2] == gpu[2]
     assert cpu[1][:, measure.STAT["amax"]].gt(0).sum() >= 2  # (the layers measured something)
