@@ -36,7 +36,7 @@ def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None
     assert peaks.shape == (4,) and counts.shape == (4,)
     assert whole(peaks, "max").equal(x.amax()) and whole(counts, "sum") == (x > 1.0).sum()
     assert largest(torch.randn(1024, 1024).abs()).shape == (ACCELERATOR_FORM.parts,)
-    assert largest(torch.randn(3 * PART_SIZE).abs()).shape == (2,)  # (3 parts do not halve from 128)
+    assert largest(torch.randn(3 * PART_SIZE).abs()).shape == (2,)  # (the largest power of two that divides it into parts of 1,024 or more)
     assert largest(torch.randn(PART_SIZE + 1).abs()).shape == (1,)
     small = torch.randn(10, 30).abs()  # (no more elements than parts: each its own, no reduction)
     assert largest(small).shape == (300,) and whole(largest(small), "max").equal(small.amax())
