@@ -170,7 +170,7 @@ class _Builder:
                 by_cell[cell].append(block[m] * len(unique) + position[r])
         every = range(math.prod(shape))
         maxed = self.constant([combine.get(c) == "max" for c in every], device)
-        # (the constants' part of each cell: -inf where none is combined by max, 0 by sum)
+        # (the constants' part of each cell: -inf where none is combined by max, 0 where none is summed)
         most = self.constant([max(fixed[c], default=-math.inf) for c in every], device, dtype=torch.float32)
         total = self.constant([sum(fixed[c]) for c in every], device, dtype=torch.float32)
         if unique:
@@ -200,12 +200,11 @@ class _Builder:
                 spread = self.call(aten.index.Tensor, (largest, [index]))
                 most = self.call(aten.where.self, (self.constant([c in slot for c in every], device),
                                                    self.call(aten.maximum.default, (most, spread)), most))
-        # (each cell of the statistics joined with its values, the way its column combines)
+        # (each cell of the statistics joined with its values, the way its column combines; a cell
+        # no value reaches gets a sum's 0 added)
         flat = self.call(aten.view.default, (stats, [-1]))
-        out = self.call(aten.where.self, (
-            maxed, self.call(aten.maximum.default, (flat, most)),
-            self.call(aten.where.self, (self.constant([combine.get(c) == "sum" for c in every], device),
-                                        self.call(aten.add.Tensor, (flat, total)), flat))))
+        out = self.call(aten.where.self, (maxed, self.call(aten.maximum.default, (flat, most)),
+                                          self.call(aten.add.Tensor, (flat, total))))
         return self.call(aten.view.default, (out, shape))
 
     def both(self, values: Node, rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Node, Node]:
