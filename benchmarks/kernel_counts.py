@@ -9,7 +9,8 @@ kernels faster than an H200 runs them, so a step's time follows how many it laun
 graphs are compiled by Inductor's Triton backend for CPU tensors (``cpu_backend="triton"``), with
 an H200's device properties standing in for the CPU's (how Inductor splits a reduction depends on
 the number of SMs), and each compiled graph's ``call`` is read for the kernels it launches: Triton
-kernels, and extern calls (GEMMs, which cuBLAS runs on a GPU). Nothing is compiled to machine code
+kernels, and extern calls (GEMMs, which cuBLAS runs on a GPU); and for the tensors it makes, new
+ones and views (the host's other work in a launch-bound step). Nothing is compiled to machine code
 and nothing runs on a device: every Triton kernel is a stub that does nothing, so the steps compute
 garbage and only the graphs' structure is measured. The loss, ``step()`` (the optimizer, and
 torch.amp's unscaling) and torch.amp's own scale update are not in a compiled graph and are not
@@ -60,10 +61,14 @@ H200 = {"multi_processor_count": 132, "cc": 90, "major": 9, "regs_per_multiproce
 
 @dataclasses.dataclass
 class Counts:
-    """The kernels one compiled graph launches per call."""
+    """The kernels one compiled graph launches per call, and the tensors its wrapper makes."""
 
     triton: int
     extern: int
+    tensors: int
+    """New tensors (``empty_strided``) and views (``reinterpret_tensor``) the graph's Python
+    wrapper makes per call: each is host work of its own, beside the launches (on a GPU a new
+    tensor is an allocation from the caching allocator)."""
 
 
 @contextlib.contextmanager
@@ -118,11 +123,12 @@ class _Stub:
 
 
 def launches(source: str) -> Counts:
-    """The kernels a compiled graph's module launches in its ``call``: Triton kernels' ``.run``, and
-    extern kernels (``extern_kernels.mm`` and the like)."""
+    """The kernels a compiled graph's module launches in its ``call`` (Triton kernels' ``.run``,
+    and extern kernels: ``extern_kernels.mm`` and the like), and the tensors it makes there."""
     body = source[source.index("def call("):]
     return Counts(triton=len(re.findall(r"^\s+\w+\.run\(", body, re.M)),
-                  extern=len(re.findall(r"\bextern_kernels\.\w+\(", body)))
+                  extern=len(re.findall(r"\bextern_kernels\.\w+\(", body)),
+                  tensors=len(re.findall(r"\b(?:empty_strided\w*|reinterpret_tensor)\(", body)))
 
 
 @contextlib.contextmanager
@@ -164,20 +170,22 @@ def count(name: str, size: Size) -> dict[str, dict[str, Counts]]:
 
 
 def report(results: dict[str, dict[str, dict[str, Counts]]], *, size: Size) -> str:
-    """The Markdown report: Triton launches, and extern calls, per graph, step and method."""
+    """The Markdown report: Triton launches, and extern calls, per graph, step and method, and the
+    tensors a step's graphs make."""
     lines = [
         "# Kernels a step launches on a GPU" + ("" if size == "full" else f" (--{size})"), "",
         (__doc__ or "").split("\n\n", 1)[1].strip("\n"), "",
         f"torch {torch.__version__}, {size} models; per graph: Triton kernels + extern calls (GEMMs).", "",
-        "| model | method | forward | backward | update | step | step / (b)'s |",
-        "|---|---|---|---|---|---|---|",
+        "| model | method | forward | backward | update | step | step / (b)'s | host tensors a step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, methods in results.items():
         base = _total(methods[B])
         for label, graphs in methods.items():
             cells = [f"{c.triton} + {c.extern}" if (c := graphs.get(g)) else "–" for g in GRAPHS]
             total = _total(graphs)
-            lines.append(f"| {name} | {label} | {' | '.join(cells)} | {total} | {total / base:.2f} |")
+            tensors = sum(c.tensors for c in graphs.values())
+            lines.append(f"| {name} | {label} | {' | '.join(cells)} | {total} | {total / base:.2f} | {tensors} |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,11 +6,13 @@ from benchmarks.kernel_counts import A_CPU_FORM, A_GPU, GRAPHS, METHODS, B, coun
 
 
 def test_launches_are_read_from_a_graphs_call() -> None:
-    source = ("def other():\n    triton_poi_0.run(a)\n"
-              "def call(args):\n    triton_poi_fused_0.run(buf0, 8)\n    extern_kernels.mm(a, b, out=c)\n"
+    source = ("def other():\n    triton_poi_0.run(a)\n    buf9 = empty_strided_cuda((8, ), (1, ), torch.float32)\n"
+              "def call(args):\n    buf0 = empty_strided_cuda((8, ), (1, ), torch.float32)\n"
+              "    triton_poi_fused_0.run(buf0, 8)\n    buf1 = reinterpret_tensor(buf0, (4, ), (1, ), 4)  # alias\n"
+              "    extern_kernels.mm(a, reinterpret_tensor(b, (4, 2), (1, 4), 0), out=c)\n"
               "    triton_red_fused_1.run(buf1, 4, 64)\n")
     counts = launches(source)
-    assert (counts.triton, counts.extern) == (2, 1)
+    assert (counts.triton, counts.extern, counts.tensors) == (2, 1, 3)
 
 
 def test_each_method_compiles_its_graphs_and_the_gpus_form_launches_fewer_kernels() -> None:
@@ -24,4 +26,5 @@ def test_each_method_compiles_its_graphs_and_the_gpus_form_launches_fewer_kernel
         return sum(results[label][g].triton for g in ("forward", "backward"))
 
     assert launched(B) < launched(A_GPU) < launched(A_CPU_FORM)
+    assert all(r["backward"].tensors > 0 for r in results.values())
     assert "| MLP | (b)" in report({"MLP": results}, size="quick")
