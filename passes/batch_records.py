@@ -6,12 +6,11 @@ In AOTAutograd's joint graph that is a chain through the tensor — ``record``, 
 ``copy``, ... — ending in the ``copy_`` into the input. This pass replaces each such chain by one
 fold at its end: the points' values concatenated, each read against the scale its point's output
 leaves with (``autoscale.measure.reading``: a peak at unit scale, or the mark of an overflow the
-point's scaling made), what each cell's mode takes of them computed for the whole vector at once
-(``autoscale.measure.MODES``: the flags a point's one number marks),
-gathered per cell with a constant index plan and mask, reduced (max or sum, as each cell
-combines: both at once), and joined with the tensor in one elementwise pass. Values handed as
-partial results (a GPU's points hand them so: ``autoscale.measure.Form``) are reduced to one
-first, the same way. On a GPU that is three kernels: per way of combining, the fold had been a
+point's scaling made), gathered per cell with a constant index plan and mask, each gathered value
+taken as its record's mode says (``autoscale.measure.MODES``: the flags a point's one number
+marks), reduced (max or sum, as each cell combines: both at once), and joined with the tensor in
+one elementwise pass. Values handed as partial results (a GPU's points hand them so:
+``autoscale.measure.Form``) are reduced to one first, the same way. On a GPU that is three kernels: per way of combining, the fold had been a
 gather, a reduction, an ``index`` and an ``index_put``, ten kernels in all
 (docs/results/kernel_counts.md). The result is the same as folding point by point: every
 point's values are computed before the end of the chain, each cell is combined one way (its
@@ -147,8 +146,8 @@ class _Builder:
     def fold(self, stats: Node, scales: Node | None, readings: Sequence[_Reading], cells: Sequence[int],
              modes: Sequence[int]) -> Node:
         """The points' values in one vector, read (``reading``) against the ``scales`` their
-        points' scales are sets of, and what each mode takes of it side by side (``MODES``); one
-        masked gather of each cell's values, reduced both ways (``both``); then the new statistics
+        points' scales are sets of; one masked gather of each cell's values, each taken as its
+        record's mode says (``MODES``), reduced both ways (``both``); then the new statistics
         in one elementwise pass, each cell joined with its reduction the way its column combines.
         The numbers a graph says a value always is (``_constant``: an element count) are taken and
         combined per cell here, not gathered."""
@@ -157,9 +156,7 @@ class _Builder:
         summed = {r for r, m in zip(readings, modes, strict=True) if MODES[m][0] == "sum"}
         unique = list(dict.fromkeys(r for r in readings if r not in known))
         position = {r: j for j, r in enumerate(unique)}
-        used = sorted({m for r, m in zip(readings, modes, strict=True) if r not in known})
-        block = {m: b for b, m in enumerate(used)}
-        by_cell: dict[int, list[int]] = defaultdict(list)
+        by_cell: dict[int, list[tuple[int, int]]] = defaultdict(list)  # (cell: its values' positions and modes)
         fixed: dict[int, list[float]] = defaultdict(list)
         combine: dict[int, str] = {}
         for r, cell, m in zip(readings, cells, modes, strict=True):
@@ -167,7 +164,7 @@ class _Builder:
             if r in known:
                 fixed[cell].append(float(taken(m, torch.tensor(known[r]))))
             else:
-                by_cell[cell].append(block[m] * len(unique) + position[r])
+                by_cell[cell].append((position[r], m))
         every = range(math.prod(shape))
         maxed = self.constant([combine.get(c) == "max" for c in every], device)
         # (the constants' part of each cell: -inf where none is combined by max, 0 where none is summed)
@@ -175,27 +172,23 @@ class _Builder:
         total = self.constant([sum(fixed[c]) for c in every], device, dtype=torch.float32)
         if unique:
             vector = self.read(unique, scales, device, summed)
-            parts = [MODES[m][1](self.op, vector) for m in used]
-            taken_all = parts[0] if len(parts) == 1 else self.call(aten.cat.default, (parts,))
             # (a cell of many values of one mode combined by max, as ``ANY_NONFINITE`` takes every
-            # point's, is a masked maximum over that mode's part of the vector instead: gathered, its
-            # row would be the widest by far, and every other row padded to it)
-            wide: dict[int, int] = {}  # (cell: the block of its mode in ``taken_all``)
-            for c, js in by_cell.items():
-                blocks = {j // len(unique) for j in js}
-                if len(js) > _WIDE and combine[c] == "max" and len(blocks) == 1:
-                    wide[c] = blocks.pop()
+            # point's, is a masked maximum over what that mode takes of the vector instead:
+            # gathered, its row would be the widest by far, and every other row padded to it)
+            wide = {c: entries[0][1] for c, entries in by_cell.items()
+                    if len(entries) > _WIDE and combine[c] == "max" and len({m for _, m in entries}) == 1}
             rows = [[] if c in wide else by_cell.get(c, []) for c in every]
-            gathered_most, gathered_total = self.both(taken_all, rows, device)
+            gathered_most, gathered_total = self.both(vector, rows, device)
             most = self.call(aten.maximum.default, (gathered_most, most))
             total = self.call(aten.add.Tensor, (gathered_total, total))
-            for b in sorted(set(wide.values())):
-                cells_b = [c for c in every if wide.get(c) == b]
-                members = [{j % len(unique) for j in by_cell[c]} for c in cells_b]
-                mask = [[j in m for j in range(len(unique))] for m in members]
-                chosen = self.call(aten.where.ScalarOther, (self.constant(mask, device), parts[b], -math.inf))
+            for m in sorted(set(wide.values())):
+                cells_m = [c for c in every if wide.get(c) == m]
+                members = [{j for j, _ in by_cell[c]} for c in cells_m]
+                mask = [[j in js for j in range(len(unique))] for js in members]
+                chosen = self.call(aten.where.ScalarOther, (self.constant(mask, device), MODES[m][1](self.op, vector),
+                                                            -math.inf))
                 largest = self.call(aten.amax.default, (chosen, [1]))
-                slot = {c: k for k, c in enumerate(cells_b)}
+                slot = {c: k for k, c in enumerate(cells_m)}
                 index = self.constant([slot.get(c, 0) for c in every], device)
                 spread = self.call(aten.index.Tensor, (largest, [index]))
                 most = self.call(aten.where.self, (self.constant([c in slot for c in every], device),
@@ -207,18 +200,40 @@ class _Builder:
                                           self.call(aten.add.Tensor, (flat, total))))
         return self.call(aten.view.default, (out, shape))
 
-    def both(self, values: Node, rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Node, Node]:
-        """``values`` gathered into one row per list of ``rows`` (a constant index, padded to the
-        longest row and masked), and each row's largest and sum (-inf and 0 for an empty row). Both
-        reductions read the one gather, and Inductor computes them in one kernel (one launch on a
-        GPU, where each way apart was a launch of its own); padded with an element of ``values``'
-        concatenation instead, the padding was a piece of its own, a copy."""
+    def both(self, values: Node, rows: Sequence[Sequence[tuple[int, int | None]]], device: torch.device
+             ) -> tuple[Node, Node]:
+        """``values`` gathered into one row per list of ``rows`` (entries: a position in ``values``
+        and a mode; a constant index, padded to the longest row and masked), each element taken as
+        its entry's mode says (``MODES``; None: as it is), and each row's largest and sum (-inf and 0
+        for an empty row). Both reductions read the one gather, and Inductor computes them in one
+        kernel (one launch on a GPU, where each way apart was a launch of its own). The modes are
+        taken of the gathered elements, in that kernel: taken of the whole vector first, they were a
+        concatenation of a piece per mode, each a tensor the graph's wrapper made at every call (5 of
+        every backward's, ``benchmarks.kernel_counts``). Padded with an element of ``values``
+        instead of masked, the padding was a piece of its own, a copy."""
         widest = max(1, *(len(row) for row in rows))
-        plan = [[*row, *[0] * (widest - len(row))] for row in rows]
+        plan = [[j for j, _ in row] + [0] * (widest - len(row)) for row in rows]
         mask = self.constant([[j < len(row) for j in range(widest)] for row in rows], device)
-        picked = self.call(aten.index.Tensor, (values, [self.constant(plan, device)]))
-        most = self.call(aten.amax.default, (self.call(aten.where.ScalarOther, (mask, picked, -math.inf)), [1]))
-        total = self.call(aten.sum.dim_IntList, (self.call(aten.where.ScalarOther, (mask, picked, 0.0)), [1]))
+        index = self.constant(plan, device)
+        modes = [[m for _, m in row] + [None] * (widest - len(row)) for row in rows]
+
+        def taken(combine: str) -> Node:
+            """The gathered values as the modes combined that way take them: each mode's values
+            gathered where its entries are (the rest, read by the other reduction or masked, as the
+            first mode takes them)."""
+            used = sorted({m for row in modes for m in row if m is not None and MODES[m][0] == combine})
+            picked = self.call(aten.index.Tensor, (values, [index])) if not used else None
+            for m in used:
+                taken_m = self.call(aten.index.Tensor, (MODES[m][1](self.op, values), [index]))
+                picked = taken_m if picked is None else self.call(aten.where.self, (
+                    self.constant([[mode == m for mode in row] for row in modes], device), taken_m, picked))
+            assert picked is not None
+            return picked
+
+        # (each reduction its own gathers, each read once: a gather read by both, or by every mode,
+        # was a buffer of its own)
+        most = self.call(aten.amax.default, (self.call(aten.where.ScalarOther, (mask, taken("max"), -math.inf)), [1]))
+        total = self.call(aten.sum.dim_IntList, (self.call(aten.where.ScalarOther, (mask, taken("sum"), 0.0)), [1]))
         return most, total
 
     def read(self, readings: Sequence[_Reading], scales: Node | None, device: torch.device,
@@ -234,7 +249,8 @@ class _Builder:
                       for r in readings]
             ends = list(itertools.accumulate(_numel(r.value) for r in readings))
             spans = [range(end - _numel(r.value), end) for r, end in zip(readings, ends, strict=True)]
-            most, total = self.both(self.call(aten.cat.default, (pieces,)), spans, device)
+            most, total = self.both(self.call(aten.cat.default, (pieces,)),
+                                    [[(j, None) for j in span] for span in spans], device)
             vector = self.call(aten.where.self, (self.constant([r in summed for r in readings], device), total, most))
         else:
             # (a one-element vector, as points and checks hand their peaks over, is a piece as it
