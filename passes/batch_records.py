@@ -12,11 +12,11 @@ marks), reduced (max or sum, as each cell combines: both at once), and joined wi
 one elementwise pass. Values handed as partial results (a GPU's points hand them so:
 ``autoscale.measure.Form``) are reduced to one first, the same way. On a GPU that is three
 kernels: per way of combining, the fold had been a gather, a reduction, an ``index`` and an
-``index_put``, ten kernels in all (docs/results/kernel_counts.md). The result is the same as folding point by point: every
-point's values are computed before the end of the chain, each cell is combined one way (its
-column's; a chain that mixes them is left alone), and max is associative and commutative, as is
-a sum of counts (integers, exact in float32 below 2^24). Σ g and Σ g² (the "paper" rule's
-moments) are summed in another order, so they may differ in the last bit.
+``index_put``, ten kernels in all (docs/results/kernel_counts.md). The result is the same as
+folding point by point: every point's values are computed before the end of the chain, each cell
+is combined one way (its column's; a chain that mixes them is left alone), and max is associative
+and commutative, as is a sum of counts (integers, exact in float32 below 2^24). Σ g and Σ g² (the
+"paper" rule's moments) are summed in another order, so they may differ in the last bit.
 
 Why: folded point by point, each update was a few ops over the whole tensor, which Inductor
 rewrote in full at every point; on a 1+1-layer T5 the statistics were 3,000 of its backward's
