@@ -205,33 +205,35 @@ class _Builder:
         """``values`` gathered into one row per list of ``rows`` (entries: a position in ``values``
         and a mode; a constant index, padded to the longest row and masked), each element taken as
         its entry's mode says (``MODES``; None: as it is), and each row's largest and sum (-inf and 0
-        for an empty row). Both reductions read the one gather, and Inductor computes them in one
-        kernel (one launch on a GPU, where each way apart was a launch of its own). The modes are
-        taken of the gathered elements, in that kernel: taken of the whole vector first, they were a
-        concatenation of a piece per mode, each a tensor the graph's wrapper made at every call (5 of
-        every backward's, ``benchmarks.kernel_counts``). Padded with an element of ``values``
-        instead of masked, the padding was a piece of its own, a copy."""
+        for an empty row). Each reduction gathers what the modes combined its way take of
+        ``values``, a gather per mode, each read once, and Inductor computes the gathers and both
+        reductions in one kernel (one launch on a GPU, where each way apart was a launch of its
+        own). Taken of the whole vector and concatenated first, the modes were a piece each, a
+        tensor the graph's wrapper made at every call (5 of every backward's,
+        ``benchmarks.kernel_counts``); one gather read by both reductions and by every mode was a
+        buffer of its own. Padded with an element of ``values`` instead of masked, the padding was a
+        piece of its own, a copy."""
         widest = max(1, *(len(row) for row in rows))
         plan = [[j for j, _ in row] + [0] * (widest - len(row)) for row in rows]
         mask = self.constant([[j < len(row) for j in range(widest)] for row in rows], device)
         index = self.constant(plan, device)
         modes = [[m for _, m in row] + [None] * (widest - len(row)) for row in rows]
 
+        def gathered(taken: Node) -> Node:
+            return self.call(aten.index.Tensor, (taken, [index]))
+
         def taken(combine: str) -> Node:
-            """The gathered values as the modes combined that way take them: each mode's values
-            gathered where its entries are (the rest, read by the other reduction or masked, as the
-            first mode takes them)."""
+            """The gathered values as the modes combined that way take them: each mode's where its
+            entries are (the rest, read by the other reduction or masked, as the first mode's)."""
             used = sorted({m for row in modes for m in row if m is not None and MODES[m][0] == combine})
-            picked = self.call(aten.index.Tensor, (values, [index])) if not used else None
-            for m in used:
-                taken_m = self.call(aten.index.Tensor, (MODES[m][1](self.op, values), [index]))
-                picked = taken_m if picked is None else self.call(aten.where.self, (
-                    self.constant([[mode == m for mode in row] for row in modes], device), taken_m, picked))
-            assert picked is not None
+            if not used:
+                return gathered(values)
+            picked = gathered(MODES[used[0]][1](self.op, values))
+            for m in used[1:]:
+                where_m = self.constant([[mode == m for mode in row] for row in modes], device)
+                picked = self.call(aten.where.self, (where_m, gathered(MODES[m][1](self.op, values)), picked))
             return picked
 
-        # (each reduction its own gathers, each read once: a gather read by both, or by every mode,
-        # was a buffer of its own)
         most = self.call(aten.amax.default, (self.call(aten.where.ScalarOther, (mask, taken("max"), -math.inf)), [1]))
         total = self.call(aten.sum.dim_IntList, (self.call(aten.where.ScalarOther, (mask, taken("sum"), 0.0)), [1]))
         return most, total
