@@ -219,13 +219,13 @@ class _Builder:
         index = self.constant(plan, device)
         modes = [[m for _, m in row] + [None] * (widest - len(row)) for row in rows]
 
-        def gathered(taken: Node) -> Node:
-            return self.call(aten.index.Tensor, (taken, [index]))
+        def gathered(vector: Node) -> Node:
+            return self.call(aten.index.Tensor, (vector, [index]))
 
-        def taken(combine: str) -> Node:
-            """The gathered values as the modes combined that way take them: each mode's where its
+        def combined(way: str) -> Node:
+            """The gathered values as the modes combined ``way`` take them: each mode's where its
             entries are (the rest, read by the other reduction or masked, as the first mode's)."""
-            used = sorted({m for row in modes for m in row if m is not None and MODES[m][0] == combine})
+            used = sorted({m for row in modes for m in row if m is not None and MODES[m][0] == way})
             if not used:
                 return gathered(values)
             picked = gathered(MODES[used[0]][1](self.op, values))
@@ -234,8 +234,9 @@ class _Builder:
                 picked = self.call(aten.where.self, (where_m, gathered(MODES[m][1](self.op, values)), picked))
             return picked
 
-        most = self.call(aten.amax.default, (self.call(aten.where.ScalarOther, (mask, taken("max"), -math.inf)), [1]))
-        total = self.call(aten.sum.dim_IntList, (self.call(aten.where.ScalarOther, (mask, taken("sum"), 0.0)), [1]))
+        most = self.call(aten.amax.default, (self.call(aten.where.ScalarOther, (mask, combined("max"), -math.inf)),
+                                             [1]))
+        total = self.call(aten.sum.dim_IntList, (self.call(aten.where.ScalarOther, (mask, combined("sum"), 0.0)), [1]))
         return most, total
 
     def read(self, readings: Sequence[_Reading], scales: Node | None, device: torch.device,
