@@ -209,7 +209,7 @@ class _Builder:
         ``values``, a gather per mode, each read once, and Inductor computes the gathers and both
         reductions in one kernel (one launch on a GPU, where each way apart was a launch of its
         own). Taken of the whole vector and concatenated first, the modes were a piece each, a
-        tensor the graph's wrapper made at every call (5 of every backward's,
+        tensor the graph's wrapper made at every call (5 or 6 of every backward's,
         ``benchmarks.kernel_counts``); one gather read by both reductions and by every mode was a
         buffer of its own. Padded with an element of ``values`` instead of masked, the padding was a
         piece of its own, a copy."""
