@@ -9,6 +9,8 @@
                                   # (ScalingConfig.measure_every); each round then times a whole
                                   # number of M-step periods, so that every timed window holds
                                   # its share of measured steps; (a1) is (a) measuring every step
+    python -m benchmarks.overhead --system-heap -o FILE [...]
+                                  # glibc's heap as it is, returning freed memory to the system
 
 Sizes: ``--quick`` (2-3 ms steps on the 2-core CPU), the default (full), and ``--large``, for a GPU
 only. On a GPU the full models' steps are bound by the host's kernel launches: an H200 runs their
@@ -59,6 +61,13 @@ Two orders are balanced, because each moved the A/A control by 1-3%, as much as 
 Every method compiles afresh, with Inductor's and AOTAutograd's caches off: a copy whose graph the
 caches served, after another copy had compiled it in the same process, timed 2-3% faster (the A/A
 control read 0.97 in every run; with the caches off, 0.99-1.00).
+On a CPU the process's C heap keeps the memory the steps free (``benchmarks.heap``), as a caching
+allocator does (PyTorch's on a GPU; jemalloc or tcmalloc on a CPU), so that no step faults its
+buffers' pages in afresh. glibc's own returns memory to the system by heuristics that follow the
+process's history of allocations: in a probe timing two of these methods, the full CNN's steps took
+1,600-6,000 page faults each (about 2.2 ms of torch.amp's 17.6 ms), the methods hundreds to thousands
+apart; in this benchmark's runs, the compiled methods none. Each method's page faults a step are reported;
+``--system-heap`` leaves glibc's heap as it is (as every run before 2026-11-28 did).
 Also reported: the median time of each phase of a step (what a difference is made of; on a GPU,
 timed in separate steps with a sync between phases, which the timed steps do not have), and the
 host's reads of device values in a steady-state ``step()`` + ``update()`` (each is a sync on a GPU;
@@ -89,6 +98,7 @@ import torch.nn.functional as F
 
 import autoscale
 from benchmarks import Autocast, Size, publish, size_of, step_parser
+from benchmarks.heap import page_faults, retain_freed_memory
 from benchmarks.host_reads import HostReads
 from benchmarks.numerics.tasks import Block
 
@@ -100,6 +110,11 @@ B_AGAIN = "(b') the same, a second copy"
 C, D = "(c) torch.compile fp32", "(d) eager fp32"
 ORDER = (A, A_UNWATCHED, B, B_AGAIN, C, D, A_FUSED, A_EVERY)
 """The methods in the order of the docstring's list, which is the report's."""
+HEAP_KEPT, HEAP_SYSTEM, HEAP_UNKEPT = "kept", "system", "unkept"
+HEAPS = {HEAP_KEPT: "the C heap keeping what the steps free (`benchmarks.heap`)",
+         HEAP_SYSTEM: "glibc's heap as it is (`--system-heap`)",
+         HEAP_UNKEPT: "the C heap as it is (not glibc: `benchmarks.heap` could not keep it)"}
+"""Which C heap the steps allocated from, as the report's machine line says it."""
 RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_FUSED, "a''/b"), (A_EVERY, "a1/b"), (B_AGAIN, "b'/b"))
 """(method, column): the ratios of each method's step over (b)'s."""
 
@@ -250,6 +265,7 @@ class Result:
         self.rounds = rounds  # interleaved rounds in each run
         self.steps: list[dict[str, float]] = []  # per run: method -> median step (s)
         self.phases: dict[str, dict[str, float]] = {}  # method -> phase -> median (s)
+        self.faults: dict[str, list[float]] = defaultdict(list)  # method -> page faults a step, per timed window
         self.reads: dict[str, tuple[int, int]] = {}  # method -> (plain, fused)
 
 
@@ -285,10 +301,11 @@ def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: s
             for label in (labels[k] for k in orders[i % len(orders)]):
                 method = methods[label]
                 method.step(x, y, device=device)  # (untimed: the first step after another method's is cold)
-                start = _synced(device)
+                faults, start = page_faults(), _synced(device)
                 for _ in range(steps):  # (on a GPU, timing each phase would sync: phases are timed apart)
                     method.step(x, y, phases[label] if device == "cpu" else None, device=device)
                 times[label].append((_synced(device) - start) / steps)
+                result.faults[label].append((page_faults() - faults) / steps)
         result.steps.append({label: statistics.median(t) for label, t in times.items()})
     if device != "cpu":
         for label, method in methods.items():
@@ -332,7 +349,8 @@ def _geomean(values: list[float]) -> float:
 
 
 def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, device: str,
-           inductor: Mapping[str, Any] | None = None, measure_every: int = 1) -> str:
+           inductor: Mapping[str, Any] | None = None, measure_every: int = 1, heap: str = HEAP_KEPT) -> str:
+    """The report; ``heap`` says which C heap the steps allocated from (``HEAPS``)."""
     labels = list(next(iter(results.values())).steps[0])
     rounds = next(iter(results.values())).rounds
     ratios_of = [(label, column) for label, column in RATIOS if label in labels]
@@ -363,7 +381,13 @@ def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, dev
     for name, r in results.items():
         read_lines.append(f"| {name} | " + " | ".join(f"{p} / {f}" for p, f in (r.reads[label] for label in
                                                                                 (A, A_UNWATCHED, B))) + " |")
+    fault_lines = ["| model | " + " | ".join(label.split(" ")[0] for label in labels) + " |",
+                   "|---" * (len(labels) + 1) + "|"]
+    for name, r in results.items():
+        fault_lines.append(f"| {name} | " + " | ".join(f"{statistics.median(r.faults[label]):.0f}" for label in labels)
+                           + " |")
     machine = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
+    machine += f", {HEAPS[heap]}"
     if inductor:
         machine += ", every method compiled with Inductor's " + ", ".join(f"{k}={v!r}" for k, v in inductor.items())
     if measure_every != 1:
@@ -381,6 +405,8 @@ def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, dev
             + " | ".join(names) + f" | {columns} |\n" + "|---" * (len(names) + len(ratios_of) + 1) + "|\n"
             + per_run + "\n\nMedian time of each phase of a step (forward includes the loss and `scale()`):\n\n"
             + "\n".join(phase_lines)
+            + "\n\nPage faults a step (the median over the timed windows: pages mapped afresh for the steps' "
+            "buffers, see ``benchmarks.heap``):\n\n" + "\n".join(fault_lines)
             + "\n\nHost reads of device values in one steady-state `step()` + `update()` (a sync each on a GPU):\n\n"
             + "\n".join(read_lines) + "\n")
 
@@ -394,6 +420,9 @@ def main() -> None:
     parser.add_argument("--measure-every", type=int, default=1, metavar="M",
                         help="autoscale's ScalingConfig.measure_every for (a) and (a'), and (a1): (a) measuring "
                              "every step, in place of (a''), (c) and (d); needs -o")
+    parser.add_argument("--system-heap", action="store_true",
+                        help="leave glibc's heap as it is, returning freed memory to the system (the steps' "
+                             "buffers then fault their pages in afresh: benchmarks.heap); needs -o")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of torch._inductor.config that every method, the baseline's too, compiles "
                              "under (repeatable; e.g. combo_kernels=True); needs -o")
@@ -407,13 +436,16 @@ def main() -> None:
     every = args.measure_every
     if every < 1 or (every != 1 and args.output is None):
         parser.error("--measure-every takes M >= 1, and M > 1 changes what is measured: name its report with -o")
+    if args.system_heap and args.output is None:
+        parser.error("--system-heap changes what is measured: name its report with -o")
+    heap = HEAP_SYSTEM if args.system_heap else HEAP_KEPT if retain_freed_memory() else HEAP_UNKEPT
     rounds, steps = 15, every * -(-5 // every)  # (a whole number of periods, at least 5 steps)
     results: dict[str, Result] = {}
     for name in MODELS:
         results[name] = measure(name, size, args.runs, rounds, steps, args.device, inductor, every)
         print(progress(name, results[name]), flush=True)  # (what a run cut short by a time limit keeps)
     publish(report(results, size=size, runs=args.runs, steps=steps, device=args.device,
-                   inductor=inductor, measure_every=every),
+                   inductor=inductor, measure_every=every, heap=heap),
             "overhead", args)
 
 

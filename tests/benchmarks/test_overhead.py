@@ -58,6 +58,7 @@ def test_each_size_has_its_own_report() -> None:
     (["--inductor", "combo_kernels=True"], "name its report with -o"),
     (["--measure-every", "0", "-o", "x.md"], "M >= 1"),
     (["--measure-every", "16"], "name its report with -o"),
+    (["--system-heap"], "name its report with -o"),
 ])
 def test_options_that_change_what_is_measured_are_refused_unless_valid_and_reported_apart(
         argv: list[str], refusal: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,6 +99,9 @@ def test_every_method_compiles_under_the_inductor_options(monkeypatch: pytest.Mo
     text = overhead.report({"MLP": result}, size="quick", runs=1, steps=1, device="cpu",
                            inductor={"max_autotune_pointwise": True})
     assert "every method compiled with Inductor's max_autotune_pointwise=True" in text
+    assert overhead.HEAPS[overhead.HEAP_KEPT] in text  # (the default: which heap the steps allocated from)
+    faults = text[text.index("Page faults a step"):].splitlines()
+    assert faults[4].startswith("| MLP | ") and faults[4].count("|") == len(result.steps[0]) + 2
 
 
 def test_each_model_prints_its_ratios_as_it_is_done() -> None:
