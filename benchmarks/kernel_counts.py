@@ -76,7 +76,10 @@ def triton_codegen_on_cpu(seen: list[tuple[str, Counts]]) -> Iterator[None]:
     """Within: Inductor generates Triton for CPU tensors, with an H200's properties and stub
     kernels (module docstring), and appends each graph it compiles to ``seen`` as (what the graph
     is: ``GRAPHS``, its ``Counts``). Inductor's and AOTAutograd's caches are off, so that every
-    graph is generated. Everything patched is restored on the way out."""
+    graph is generated. oneDNN is off, so that Inductor lays a graph with convolutions out as on a
+    GPU: with oneDNN, a CPU's convolutions are always channels-last (``decide_layout_opt``), where
+    on a GPU its heuristics keep small ones, as the CNN's 32 channels, in NCHW. Everything
+    patched is restored on the way out."""
     import torch._inductor.config as inductor_config
     import torch.utils._triton as torch_triton
     from torch._inductor.async_compile import AsyncCompile
@@ -105,7 +108,7 @@ def triton_codegen_on_cpu(seen: list[tuple[str, Counts]]) -> Iterator[None]:
         for owner, name, value in patches:
             setattr(owner, name, value)
         with inductor_config.patch(cpu_backend="triton", fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
+                torch._functorch.config.patch(enable_autograd_cache=False), torch.backends.mkldnn.flags(enabled=False):
             yield
     finally:
         for owner, name, value in saved:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from benchmarks.kernel_counts import A_CPU_FORM, A_GPU, GRAPHS, METHODS, B, count, launches, report
+import pytest
+import torch
+
+import benchmarks.kernel_counts as kernel_counts
+from benchmarks.kernel_counts import A_CPU_FORM, A_GPU, GRAPHS, METHODS, B, Counts, count, launches, report
 
 
 def test_launches_are_read_from_a_graphs_call() -> None:
@@ -28,3 +32,22 @@ def test_each_method_compiles_its_graphs_and_the_gpus_form_launches_fewer_kernel
     assert launched(B) < launched(A_GPU) < launched(A_CPU_FORM)
     assert all(r["backward"].tensors > 0 for r in results.values())
     assert "| MLP | (b)" in report({"MLP": results}, size="quick")
+
+
+
+def test_a_cnn_is_laid_out_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With oneDNN, Inductor lays every CPU convolution out channels-last; a GPU's heuristics keep
+    32 channels in NCHW. The count must see a GPU's layout: the first convolution's output (not the
+    graph's, which keeps eager's strides), as the generated code asserts it, is NCHW-contiguous."""
+    sources: list[str] = []
+
+    def read(source: str) -> Counts:
+        sources.append(source)
+        return launches(source)
+
+    monkeypatch.setattr(kernel_counts, "launches", read)
+    with kernel_counts.triton_codegen_on_cpu([]):
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 8, 1))
+        torch.compile(model)(torch.randn(4, 3, 8, 8))
+    nchw, channels_last = "(4, 32, 8, 8), (2048, 64, 8, 1)", "(4, 32, 8, 8), (2048, 1, 256, 32)"
+    assert len(sources) == 1 and nchw in sources[0] and channels_last not in sources[0]
