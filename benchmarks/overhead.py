@@ -63,11 +63,12 @@ caches served, after another copy had compiled it in the same process, timed 2-3
 control read 0.97 in every run; with the caches off, 0.99-1.00).
 On a CPU the process's C heap keeps the memory the steps free (``benchmarks.heap``), as a caching
 allocator does (PyTorch's on a GPU; jemalloc or tcmalloc on a CPU), so that no step faults its
-buffers' pages in afresh. glibc's own returns memory to the system by heuristics that follow the
-process's history of allocations: in a probe timing two of these methods, the full CNN's steps took
-1,600-6,000 page faults each (about 2.2 ms of torch.amp's 17.6 ms), the methods hundreds to thousands
-apart; in this benchmark's runs, the compiled methods none. Each method's page faults a step are reported;
-``--system-heap`` leaves glibc's heap as it is (as every run before 2026-11-28 did).
+buffers' pages in afresh. glibc's heap returns memory to the system by heuristics that follow the
+process's history of allocations: in a probe timing two of these methods, the full CNN's steps
+took 1,600-6,000 page faults each (about 2.2 ms of torch.amp's 17.6 ms), the methods hundreds to
+thousands apart; in this benchmark's runs the compiled methods took none. Each method's page
+faults a step are reported; ``--system-heap`` leaves glibc's heap as it is (as every run before
+2026-11-28 did).
 Also reported: the median time of each phase of a step (what a difference is made of; on a GPU,
 timed in separate steps with a sync between phases, which the timed steps do not have), and the
 host's reads of device values in a steady-state ``step()`` + ``update()`` (each is a sync on a GPU;
@@ -110,10 +111,10 @@ B_AGAIN = "(b') the same, a second copy"
 C, D = "(c) torch.compile fp32", "(d) eager fp32"
 ORDER = (A, A_UNWATCHED, B, B_AGAIN, C, D, A_FUSED, A_EVERY)
 """The methods in the order of the docstring's list, which is the report's."""
-HEAP_KEPT, HEAP_SYSTEM, HEAP_UNKEPT = "kept", "system", "unkept"
+HEAP_KEPT, HEAP_SYSTEM, HEAP_NOT_GLIBC = "kept", "system", "not glibc"
 HEAPS = {HEAP_KEPT: "the C heap keeping what the steps free (`benchmarks.heap`)",
          HEAP_SYSTEM: "glibc's heap as it is (`--system-heap`)",
-         HEAP_UNKEPT: "the C heap as it is (not glibc: `benchmarks.heap` could not keep it)"}
+         HEAP_NOT_GLIBC: "the C heap as it is (not glibc's: `benchmarks.heap` could not keep it)"}
 """Which C heap the steps allocated from, as the report's machine line says it."""
 RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_FUSED, "a''/b"), (A_EVERY, "a1/b"), (B_AGAIN, "b'/b"))
 """(method, column): the ratios of each method's step over (b)'s."""
@@ -438,7 +439,7 @@ def main() -> None:
         parser.error("--measure-every takes M >= 1, and M > 1 changes what is measured: name its report with -o")
     if args.system_heap and args.output is None:
         parser.error("--system-heap changes what is measured: name its report with -o")
-    heap = HEAP_SYSTEM if args.system_heap else HEAP_KEPT if retain_freed_memory() else HEAP_UNKEPT
+    heap = HEAP_SYSTEM if args.system_heap else HEAP_KEPT if retain_freed_memory() else HEAP_NOT_GLIBC
     rounds, steps = 15, every * -(-5 // every)  # (a whole number of periods, at least 5 steps)
     results: dict[str, Result] = {}
     for name in MODELS:
