@@ -34,7 +34,6 @@ def test_each_method_compiles_its_graphs_and_the_gpus_form_launches_fewer_kernel
     assert "| MLP | (b)" in report({"MLP": results}, size="quick")
 
 
-
 def test_a_cnn_is_laid_out_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """With oneDNN, Inductor lays every CPU convolution out channels-last; a GPU's heuristics keep
     32 channels in NCHW. The count must see a GPU's layout: the first convolution's output (not the
