@@ -63,8 +63,8 @@ for name in "${steps[@]}"; do
     overhead_combo)  # every method with Inductor's combo kernels (independent kernels in one launch)
         step overhead_combo 240 "$py" -m benchmarks.overhead --device cuda --runs 2 --inductor combo_kernels=True \
             -o "$out/overhead_combo_cuda.md" ;;
-    profile)
-        step profile 120 "$py" -m benchmarks.step_profile --device cuda --steps 3 --models MLP "transformer block"
+    profile)  # the CNN too: its launches against benchmarks.kernel_counts' (a GPU's layout, NCHW)
+        step profile 150 "$py" -m benchmarks.step_profile --device cuda --steps 3 --models MLP CNN "transformer block"
         cp docs/results/step_profile_cuda.md "$out/" 2>/dev/null ;;
     compile)  # cold and warm compile times against torch.compile + autocast (benchmarks.compile_time)
         step compile 420 "$py" -m benchmarks.compile_time --end-to-end --device cuda \
