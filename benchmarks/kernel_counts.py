@@ -78,7 +78,8 @@ def triton_codegen_on_cpu(seen: list[tuple[str, Counts]]) -> Iterator[None]:
     is: ``GRAPHS``, its ``Counts``). Inductor's and AOTAutograd's caches are off, so that every
     graph is generated. oneDNN is off, so that Inductor lays a graph with convolutions out as on a
     GPU: with oneDNN, a CPU's convolutions are always channels-last (``decide_layout_opt``), where
-    on a GPU its heuristics keep small ones, as the CNN's 32 channels, in NCHW. Everything
+    on a GPU its heuristics keep a graph whose convolutions all have at most 64 channels, as the
+    CNN's 32, in NCHW. Everything
     patched is restored on the way out."""
     import torch._inductor.config as inductor_config
     import torch.utils._triton as torch_triton
