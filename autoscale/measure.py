@@ -81,7 +81,7 @@ adds it to a graph (``passes/batch_records.py``), so that both read a value from
 
 
 class Form(NamedTuple):
-    """How points and checks lay out their work for the compiler on one kind of device (``FORMS``).
+    """How points, checks and the update lay out their work on one kind of device (``FORMS``).
     Either way they compute the same numbers; what differs is how many passes over a gradient, and
     how many kernel launches, Inductor makes of them."""
 
@@ -100,11 +100,15 @@ class Form(NamedTuple):
     partial results then their reduction: handed as partial results, the first is fused into the
     value's producer and the second is the fold's. On the CPU a full reduction is one loop of the
     producer's kernel."""
+    fused_update: bool = False
+    """The scaler's update runs as one Triton launch (``autoscale.kernels.update``), where Inductor
+    made it seven kernels on a GPU (``autoscale.update.CompiledUpdate``). On the CPU Inductor makes
+    it one C++ kernel, and Triton has no CPU backend."""
 
 
 FORMS: dict[str, Form] = {"cpu": Form(in_place=True, parts=1)}
 """The form per device type; every other device (CUDA) takes ``ACCELERATOR_FORM``."""
-ACCELERATOR_FORM = Form(in_place=False, parts=512)
+ACCELERATOR_FORM = Form(in_place=False, parts=512, fused_update=True)
 PART_SIZE = 1024
 """The fewest elements a partial result reduces (``_partial``), but for a value of no more elements
 than its form's ``parts``, whose elements are handed on as they are."""

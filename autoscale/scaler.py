@@ -132,7 +132,7 @@ class GradScaler:
         self._mirror = HostMirror()
         # the step of each snapshot on its way to the host, and whether that step watched its forward
         self._snapshot_steps: deque[tuple[int, bool]] = deque()
-        self._update_scales = CompiledUpdate(adaptive_update)
+        self._update_scales = CompiledUpdate(adaptive_update, fused=_fused_update)
         self._bound: _Bound | None = None  # the steady state's update (``_update_bound``)
         self._constants: tuple[float, dict[str, float]] | None = None  # (gradient_max, update constants)
         self._stages: dict[int, _Stage] = {}
@@ -673,3 +673,11 @@ def _refuse_double_backward(grad: torch.Tensor) -> None:
 
 def _erfinv(x: float) -> float:
     return float(torch.special.erfinv(torch.tensor(x, dtype=torch.float64)))
+
+
+def _fused_update(tensors: tuple[torch.Tensor | None, ...], **constants: Any) -> Callable[..., None] | None:
+    """``autoscale.kernels.update.fused_update``, imported where a device's form asks for it:
+    ``import autoscale`` stays free of triton."""
+    from autoscale.kernels.update import fused_update
+
+    return fused_update(tensors, **constants)

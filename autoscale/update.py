@@ -8,9 +8,10 @@ never asks the host what happened, so it is the same code whether ``step()`` syn
 overflow flag (a plain optimizer) or not (a fused one).
 
 Run eagerly it is ~25 small ops (on this CPU ~0.15 ms right after a backward, each op finding
-cold caches). :class:`CompiledUpdate` compiles it with Inductor into one kernel (a C++ loop on
-CPU, one Triton launch on CUDA) the first time a scaler whose model Inductor compiles updates;
-eagerly otherwise (the eager executor, ``autoscale.convert``), or if compiling fails.
+cold caches). :class:`CompiledUpdate` compiles it the first time a scaler whose model Inductor
+compiles updates: with Inductor into one C++ kernel on a CPU, as one Triton launch on a GPU
+(``autoscale.kernels.update``, which Inductor would make seven); eagerly otherwise (the eager
+executor, ``autoscale.convert``), or if compiling fails.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from autoscale.config import ScalingConfig
-from autoscale.measure import STAT
+from autoscale.measure import STAT, form_of
 from autoscale.ops import SCALE_RANGE
 from autoscale.overflow import alarm, outputs_nonfinite
 from autoscale.runtime import LOSS_ROW
@@ -165,9 +166,17 @@ def dynamic_update(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis
     hysteresis.copy_(torch.where(grow, torch.full_like(hysteresis, hysteresis_steps), hysteresis))
 
 
+Fused = Callable[..., Callable[..., None] | None]
+"""A fused update's builder: ``fused(tensors, **constants)``, with ``CompiledUpdate``'s arguments,
+returns a function of the non-None tensors that computes ``fn`` on them, or None for a state it does
+not take (``autoscale.kernels.update.fused_update``)."""
+
+
 class CompiledUpdate:
-    """``fn(*tensors, **constants)`` compiled by Inductor into one kernel on first use, or run
-    eagerly when ``compile`` is False or compiling fails.
+    """``fn(*tensors, **constants)`` compiled on first use, or run eagerly when ``compile`` is False
+    or compiling fails: by ``fused`` where the tensors' device's form takes a fused update
+    (``autoscale.measure.Form.fused_update``: a GPU, one launch) and ``fused`` takes the state, by
+    Inductor otherwise (on a CPU, one C++ kernel; for a GPU, seven: docs/results/kernel_counts.md).
 
     ``fn`` updates its tensor arguments in place. It is traced with ``make_fx`` on fake tensors
     and compiled with Inductor's ``compile_fx``, once per ``variant`` (a key the caller gives for
@@ -183,15 +192,16 @@ class CompiledUpdate:
     stride asserts, one per tensor, cost ~12 µs of that call cold: a variant is also keyed by its
     tensors' layouts, so it is compiled without them.
 
-    The first call of each variant is checked: ``fn`` runs eagerly on copies of the tensors, and
-    the compiled results must equal it bit for bit (nan where nan), or the eager results are kept
-    and every later call runs eagerly, with a warning. (Seen while writing it: torch 2.13's
+    The first call of each variant is checked, fused or compiled: ``fn`` runs eagerly on copies of
+    the tensors, and the results must equal it bit for bit (nan where nan), or the eager results are
+    kept and every later call runs eagerly, with a warning. (Seen while writing it: torch 2.13's
     Inductor copied a tensor as already cleared; ``adaptive_update`` is written around that, and
     the check stands for other versions and devices.)
     """
 
-    def __init__(self, fn: Callable[..., None]) -> None:
+    def __init__(self, fn: Callable[..., None], *, fused: Fused | None = None) -> None:
         self._fn = fn
+        self._fused = fused
         self._variants: dict[Any, Callable[..., Any]] = {}
         self._failed = False
 
@@ -217,6 +227,24 @@ class CompiledUpdate:
 
     def _first_call(self, tensors: Sequence[torch.Tensor | None], present: list[torch.Tensor], variant: Hashable,
                     constants: dict[str, Any]) -> Callable[..., None] | None:
+        compiled = (self._fused(tuple(tensors), **constants)
+                    if self._fused is not None and form_of(present[0].device).fused_update else None)
+        if compiled is None:
+            compiled = self._inductor(tensors, present, constants)
+        expected = [t.clone() for t in present]
+        self._fn(*_refill(tensors, expected), **constants)
+        compiled(*present)
+        if all(_same(a, b) for a, b in zip(present, expected, strict=True)):
+            self._variants[variant] = compiled
+            return compiled
+        for a, b in zip(present, expected, strict=True):
+            a.copy_(b)
+        self._fall_back("its results differ from the eager function's")
+        return None
+
+    def _inductor(self, tensors: Sequence[torch.Tensor | None], present: list[torch.Tensor],
+                  constants: dict[str, Any]) -> Callable[..., None]:
+        """``fn`` on ``tensors`` and ``constants``, compiled by Inductor."""
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # (Inductor: only when compiling)
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -245,17 +273,7 @@ class CompiledUpdate:
         with (torch._inductor.config.patch(size_asserts=False),
               torch._functorch.config.patch(enable_autograd_cache=False)):
             wrapped: Callable[..., Any] = compile_fx(graph, fakes, inner_compile=catch_inner)  # type: ignore[assignment]
-        compiled = _boxed(inner[0]) if len(inner) == 1 else wrapped
-        expected = [t.clone() for t in present]
-        self._fn(*_refill(tensors, expected), **constants)
-        compiled(*present)
-        if all(_same(a, b) for a, b in zip(present, expected, strict=True)):
-            self._variants[variant] = compiled
-            return compiled
-        for a, b in zip(present, expected, strict=True):
-            a.copy_(b)
-        self._fall_back("its results differ from the eager function's")
-        return None
+        return _boxed(inner[0]) if len(inner) == 1 else wrapped
 
     def _fall_back(self, why: str) -> None:
         self._failed = True

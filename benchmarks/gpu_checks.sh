@@ -71,9 +71,9 @@ for name in "${steps[@]}"; do
             --models "T5 3+3" "transformer block (overhead --quick)"
         cp docs/results/compile_time_models_cuda.md "$out/" 2>/dev/null ;;
     kernel_tests)  # the kernel's tests alone, run natively
-        step kernel_tests 60 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py ;;
-    gpu_tests)  # the GPU-marked tests, and the kernel's tests run natively
-        step gpu_tests 180 bash -c "'$py' -m pytest -q -p no:cacheprovider tests/test_kernels.py;
+        step kernel_tests 60 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/kernels ;;
+    gpu_tests)  # the GPU-marked tests, and the kernels' tests run natively
+        step gpu_tests 180 bash -c "'$py' -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/kernels;
                                     '$py' -m pytest -q -p no:cacheprovider -m gpu tests" ;;
     suite)  # the default suite, spread over the machine's cores; -v names each failure as it
             # happens, so a run cut short by its limit still says which tests failed

@@ -14,7 +14,9 @@ ones and views (the host's other work in a launch-bound step). Nothing is compil
 and nothing runs on a device: every Triton kernel is a stub that does nothing, so the steps compute
 garbage and only the graphs' structure is measured. The loss, ``step()`` (the optimizer, and
 torch.amp's unscaling) and torch.amp's own scale update are not in a compiled graph and are not
-counted; autoscale's update is a compiled graph, and is.
+counted; autoscale's update is, a compiled graph in the CPU's form, and in the GPU's form one
+launch of its own Triton kernel (``autoscale.kernels.update``), which is counted as it launches (a
+stub too: the update's check of its first call then finds garbage, and warns).
 
 Methods, for each model of ``benchmarks.overhead``:
   (a) autoscale on a GPU: float16 GEMMs, and the points and checks in the GPU's form
@@ -87,6 +89,8 @@ def triton_codegen_on_cpu(seen: list[tuple[str, Counts]]) -> Iterator[None]:
     from torch._inductor.graph import GraphLowering
     from torch._inductor.runtime.hints import DeviceProperties
 
+    from autoscale.kernels import update as fused
+
     compile_to_module = GraphLowering.compile_to_module
     gpu = DeviceProperties(type="cpu", index=None, **H200)  # type: ignore[arg-type]
 
@@ -102,6 +106,7 @@ def triton_codegen_on_cpu(seen: list[tuple[str, Counts]]) -> Iterator[None]:
         (AsyncCompile, "triton", lambda self, name, source, *a, **k: _Stub()),
         (DeviceProperties, "create", classmethod(lambda cls, device: gpu)),
         (GraphLowering, "compile_to_module", recorded),
+        (fused, "_adaptive_update_kernel", _Launched(seen, "update")),
     ]
     saved = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
              for owner, name, _ in patches]
@@ -124,6 +129,20 @@ class _Stub:
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+class _Launched:
+    """One of autoscale's own Triton kernels, called as ``kernel[grid](...)``: it launches nothing,
+    and records each launch in ``seen`` as a graph of ``kind`` that launches one kernel."""
+
+    def __init__(self, seen: list[tuple[str, Counts]], kind: str) -> None:
+        self._seen, self._kind = seen, kind
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return self._launch
+
+    def _launch(self, *args: Any, **kwargs: Any) -> None:
+        self._seen.append((self._kind, Counts(triton=1, extern=0, tensors=0)))
 
 
 def launches(source: str) -> Counts:
