@@ -44,8 +44,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["ACCELERATOR_FORM", "ANY_NONFINITE", "ARRIVED", "BAD", "FORMS", "LOSS_ROW", "MADE", "MAX", "MODES",
            "NUM_STATS", "PEAK", "STAT", "SUM", "Form", "Measured", "counted", "fold", "form_of", "largest",
-           "point_backward", "reading", "record", "rescaled", "scale_and_measure", "set_scale", "taken", "traced",
-           "whole"]
+           "partials", "point_backward", "reading", "record", "rescaled", "scale_and_measure", "set_scale", "taken",
+           "traced", "whole"]
 
 aten = torch.ops.aten
 
@@ -128,7 +128,9 @@ def _partial(x: torch.Tensor) -> torch.Tensor | None:
     value whose size or layout is symbolic, or whose elements are not dense in memory (its partial
     results would read it through a copy; whole, ``passes/reduce_at_source.py`` has it read its
     source). A value laid out in another order (a channels-last gradient) is read in its own,
-    which no reduction over all of it depends on."""
+    which no reduction over all of it depends on. Traced, the order is the one Inductor will lay
+    the value out in, which it decides after the trace: ``partials`` marks the reshape for
+    ``passes/lay_out_partials.py``."""
     parts, n = form_of(x.device).parts, x.numel()
     if parts <= 1 or not isinstance(n, int) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
         return None
@@ -136,8 +138,30 @@ def _partial(x: torch.Tensor) -> torch.Tensor | None:
         parts = n
     while parts > 1 and (n % parts or (n > parts and n // parts < PART_SIZE)):
         parts //= 2
-    dense = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride()[d])) if x.dim() else x
-    return dense.reshape(parts, -1) if parts > 1 and dense.is_contiguous() else None
+    dense = _in_memory_order(x)
+    if parts <= 1 or not dense.is_contiguous():
+        return None
+    # (traced, a marker the joint stage lays out as Inductor will lay the value out: ``partials``)
+    return partials(x, parts) if traced(x) else dense.reshape(parts, -1)
+
+
+def _in_memory_order(x: torch.Tensor) -> torch.Tensor:
+    """``x`` permuted so that its dimensions run in the order of its strides, the largest first."""
+    return x.permute(sorted(range(x.dim()), key=lambda d: -x.stride()[d])) if x.dim() else x
+
+
+def _partials(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """``x``'s elements in memory order as ``[parts, -1]``: what ``_partial`` hands a reduction,
+    as one op. Traced into a compiled graph, ``passes/lay_out_partials.py`` replaces it by a view of
+    ``x`` in the order Inductor will lay ``x`` out in, which it decides after the trace (a GPU's
+    convolutions channels-last, by its heuristics): its partial results are then read in memory
+    order, coalesced, and in the kernel that writes ``x``. Any order gives the same reduction over
+    all of them. (Run as an op, it copies.)"""
+    return _in_memory_order(x).reshape(parts, -1).clone()
+
+
+def _partials_fake(x: torch.Tensor, parts: int) -> torch.Tensor:
+    return x.new_empty((parts, x.numel() // parts))
 
 
 def whole(value: torch.Tensor, combine: str) -> torch.Tensor:
@@ -360,6 +384,12 @@ _LIBRARY.impl("set_scale", _set_scale, "CompositeExplicitAutograd")
 torch.library.register_fake("autoscale::set_scale", _set_scale_fake, lib=_LIBRARY)
 
 set_scale = torch.ops.autoscale.set_scale.default
+
+_LIBRARY.define("partials(Tensor x, int parts) -> Tensor")
+_LIBRARY.impl("partials", _partials, "CompositeExplicitAutograd")
+torch.library.register_fake("autoscale::partials", _partials_fake, lib=_LIBRARY)
+
+partials = torch.ops.autoscale.partials.default
 
 
 def traced(t: torch.Tensor) -> bool:

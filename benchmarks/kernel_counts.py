@@ -18,7 +18,8 @@ counted; autoscale's update is, a compiled graph in the CPU's form, and in the G
 launch of its own Triton kernel (``autoscale.kernels.update``), which is counted as it launches (a
 stub too: the update's check of its first call then finds garbage, and warns).
 
-Methods, for each model of ``benchmarks.overhead``:
+Models: those of ``benchmarks.overhead``, and a wide CNN (its CNN at 128 channels, which a GPU
+lays out channels-last, as a ResNet's convolutions). Methods, for each:
   (a) autoscale on a GPU: float16 GEMMs, and the points and checks in the GPU's form
       (``autoscale.measure.ACCELERATOR_FORM``: each output written by its producer's kernel, each
       reduction handed to the fold as partial results)
@@ -50,7 +51,8 @@ from autoscale import measure
 from benchmarks import Autocast, Size, publish, size_of, step_parser
 from benchmarks.overhead import MODELS, _Method
 
-__all__ = ["GRAPHS", "METHODS", "Counts", "count", "launches", "main", "report", "triton_codegen_on_cpu"]
+__all__ = ["COUNTED", "GRAPHS", "METHODS", "Counts", "count", "launches", "main", "report", "triton_codegen_on_cpu",
+           "wide_cnn"]
 
 A_GPU, A_CPU_FORM, B = ("(a) autoscale, the GPU's form", "(a-cpu) autoscale, the CPU's form",
                         "(b) torch.compile + autocast(float16) + torch.amp.GradScaler")
@@ -165,9 +167,25 @@ def _cpu_form(form: measure.Form) -> Iterator[None]:
         measure.FORMS["cpu"] = saved
 
 
+def wide_cnn(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """``benchmarks.overhead``'s CNN at 128 channels, a ResNet's width, which a GPU's Inductor lays
+    out channels-last (more than 64 channels: ``GraphLowering.decide_layout_opt``), on images small
+    enough for this CPU to run its convolutions (the counts do not depend on their size)."""
+    c, side, batch = 128, *{"quick": (8, 8), "full": (16, 16), "large": (32, 32)}[size]
+    model = nn.Sequential(
+        nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
+        nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
+    return model, torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+
+
+COUNTED: dict[str, Callable[[Size], tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {**MODELS, "wide CNN": wide_cnn}
+"""The models counted: ``benchmarks.overhead``'s, and a CNN a GPU lays out channels-last."""
+
+
 def count(name: str, size: Size) -> dict[str, dict[str, Counts]]:
     """Per method (``METHODS``), the kernels of each graph a step of model ``name`` compiles."""
-    model, x, y = MODELS[name](size)
+    model, x, y = COUNTED[name](size)
     native = autoscale.backend(autoscale.Config(compute="native"))
 
     def autoscale_on(m: nn.Module) -> _Method:
@@ -221,7 +239,7 @@ def main() -> None:
     if args.device != "cpu":
         raise SystemExit("kernel_counts counts a GPU's kernels without one: run it on the CPU (--device cpu)")
     size = size_of(args)
-    publish(report({name: count(name, size) for name in MODELS}, size=size), "kernel_counts", args)
+    publish(report({name: count(name, size) for name in COUNTED}, size=size), "kernel_counts", args)
 
 
 if __name__ == "__main__":

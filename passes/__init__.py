@@ -16,6 +16,7 @@ from .fold_casts import fold_casts
 from .insert_fake_quant import insert_fake_quant
 from .insert_grad_scaling import insert_grad_scaling
 from .insert_overflow_checks import insert_overflow_checks
+from .lay_out_partials import lay_out_partials
 from .manager import InvariantError, PassRecord, PassResult, PassSpec, Stage, run_stage
 from .predict_overflow import predict_overflow
 from .reduce_at_source import reduce_at_source
@@ -38,6 +39,7 @@ __all__ = [
     "insert_fake_quant",
     "insert_grad_scaling",
     "insert_overflow_checks",
+    "lay_out_partials",
     "predict_overflow",
     "reduce_at_source",
     "remove_inplace",
@@ -59,6 +61,7 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec(insert_overflow_checks, "dynamo"),  # last: no other pass sees the checks as users of a value
     # AOTAutograd's joint forward+backward ATen graph, before partitioning.
     PassSpec(fold_casts, "joint"),
+    PassSpec(lay_out_partials, "joint"),  # a GPU's partial results read as Inductor will lay their values out
     PassSpec(reduce_at_source, "joint"),  # the points' and checks' maxima read their sources in order
     PassSpec(batch_records, "joint"),  # one fold of the rescale points' statistics per graph
     PassSpec(batch_row_reads, "joint"),  # each set of rows' scale computed once, in the graph

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import autoscale
 from autoscale import measure
 from autoscale.measure import ACCELERATOR_FORM, FORMS, PART_SIZE, counted, largest, whole
+from tests.tolerances import SQNR_MIN_DB_SAME_GRAPH, sqnr
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None
     assert largest(torch.full((4 * PART_SIZE,), float("nan"))).isnan().all()
 
 
-def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch, config: autoscale.Config
+def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch, config: autoscale.Config, cnn: bool = False
              ) -> tuple[list[torch.Tensor], torch.Tensor, list[autoscale.LayerReport]]:
     monkeypatch.setitem(FORMS, "cpu", form)
     torch._dynamo.reset()
@@ -58,6 +59,12 @@ def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch, config: autosc
     # 64- and 10-element biases: handed as their elements)
     model = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 10))
     x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
+    if cnn:  # (laid out channels-last by Inductor on a CPU with oneDNN: so are its partial results)
+        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                              nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.Linear(16, 10))
+        x = torch.randn(8, 3, 16, 16)
+        y = y[:8]
     scaler, opt = autoscale.GradScaler(model, config), torch.optim.SGD(model.parameters(), lr=0.1)
     compiled = torch.compile(model, backend=autoscale.backend(config))
     for _ in range(5):  # (the last measured, with measure_every=2 too)
@@ -84,3 +91,17 @@ def test_a_gpus_form_trains_bit_for_bit_as_the_cpus(monkeypatch: pytest.MonkeyPa
     assert all(a.equal(b) for a, b in zip(cpu[0], gpu[0], strict=True))
     assert cpu[1].equal(gpu[1]) and cpu[2] == gpu[2]
     assert cpu[1][:, measure.STAT["amax"]].gt(0).sum() >= 2  # (the layers measured something)
+
+
+def test_a_gpus_form_trains_a_cnn_laid_out_channels_last_as_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a CNN whose values Inductor lays out channels-last (oneDNN's rule on a CPU),
+    and with them the GPU's form's partial results (``passes/lay_out_partials.py``): statistics and
+    layer reports bit for bit. The parameters only as one graph run by two executors: Inductor fuses
+    the batch norms' backward reductions otherwise in the two forms, and sums them in another order
+    (the last bits of four of the eight parameters, with the partials in either layout)."""
+    config = autoscale.Config()
+    cpu = _trained(FORMS["cpu"], monkeypatch, config, cnn=True)
+    gpu = _trained(ACCELERATOR_FORM, monkeypatch, config, cnn=True)
+    assert all(sqnr(a, b) >= SQNR_MIN_DB_SAME_GRAPH for a, b in zip(cpu[0], gpu[0], strict=True))
+    assert cpu[1].equal(gpu[1]) and cpu[2] == gpu[2]
+    assert cpu[1][:, measure.STAT["amax"]].gt(0).sum() >= 3  # (both convolutions' and the head's)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -50,3 +52,15 @@ def test_a_cnn_is_laid_out_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.compile(model)(torch.randn(4, 3, 8, 8))
     nchw, channels_last = "(4, 32, 8, 8), (2048, 64, 8, 1)", "(4, 32, 8, 8), (2048, 1, 256, 32)"
     assert len(sources) == 1 and nchw in sources[0] and channels_last not in sources[0]
+
+
+def test_a_wide_cnns_partial_results_are_read_in_its_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU lays the wide CNN out channels-last. Its points' and checks' partial results read so
+    (``passes/lay_out_partials.py``) join the kernels that write their values: fewer launches than
+    read in the traced NCHW order, as before the pass."""
+    laid_out = count("wide CNN", "quick")[A_GPU]
+    lay_out = importlib.import_module("autoscale.passes.lay_out_partials")
+    monkeypatch.setattr(lay_out, "_inductor_lays_out_channels_last", lambda gm: False)
+    traced_order = count("wide CNN", "quick")[A_GPU]
+    for graph in ("forward", "backward"):
+        assert laid_out[graph].triton < traced_order[graph].triton, graph
