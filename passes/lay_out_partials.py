@@ -81,7 +81,12 @@ def _inductor_lays_out_channels_last(gm: GraphModule) -> bool:
     (``GraphLowering.decide_layout_opt``), on the joint graph. The forward graph it decides for
     holds the same convolutions; its one rule on the graph's size (no channels-last for fewer than
     one convolution in 300 nodes) reads fewer nodes there, so a joint graph near that bound is
-    taken as NCHW where Inductor may not: its partial results are then read as before."""
+    taken as NCHW where Inductor may not: its partial results are then read as before. So is a
+    graph the function cannot read (another torch's signature, a node without its fake value): the
+    layout only decides how fast the partial results are read, never what they are."""
     from torch._inductor.graph import GraphLowering  # (Inductor: only when compiling)
 
-    return bool(GraphLowering.decide_layout_opt(gm, is_inference=False))
+    try:
+        return bool(GraphLowering.decide_layout_opt(gm, is_inference=False))
+    except (AttributeError, KeyError, TypeError):
+        return False
