@@ -49,7 +49,7 @@ import torch.nn as nn
 import autoscale
 from autoscale import measure
 from benchmarks import Autocast, Size, publish, size_of, step_parser
-from benchmarks.overhead import MODELS, _Method
+from benchmarks.overhead import MODELS, _Method, conv_net
 
 __all__ = ["COUNTED", "GRAPHS", "METHODS", "Counts", "count", "launches", "main", "report", "triton_codegen_on_cpu",
            "wide_cnn"]
@@ -171,12 +171,7 @@ def wide_cnn(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """``benchmarks.overhead``'s CNN at 128 channels, a ResNet's width, which a GPU's Inductor lays
     out channels-last (more than 64 channels: ``GraphLowering.decide_layout_opt``), on images small
     enough for this CPU to run its convolutions (the counts do not depend on their size)."""
-    c, side, batch = 128, *{"quick": (8, 8), "full": (16, 16), "large": (32, 32)}[size]
-    model = nn.Sequential(
-        nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
-        nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
-    return model, torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+    return conv_net(128, *{"quick": (8, 8), "full": (16, 16), "large": (32, 32)}[size])
 
 
 COUNTED: dict[str, Callable[[Size], tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {**MODELS, "wide CNN": wide_cnn}

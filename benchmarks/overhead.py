@@ -129,11 +129,16 @@ def mlp(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def cnn(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    c, side, batch = {"quick": (16, 16, 32), "full": (32, 32, 64), "large": (128, 128, 128)}[size]
+    return conv_net(*{"quick": (16, 16, 32), "full": (32, 32, 64), "large": (128, 128, 128)}[size])
+
+
+def conv_net(channels: int, side: int, batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """Two 3x3 convolutions of ``channels`` with batch norms, pooled into a linear head, and a batch
+    of ``side``-pixel images with their labels."""
     model = nn.Sequential(
-        nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
-        nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
+        nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+        nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
     return model, torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
 
 
