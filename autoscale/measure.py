@@ -138,16 +138,26 @@ def _partial(x: torch.Tensor) -> torch.Tensor | None:
         parts = n
     while parts > 1 and (n % parts or (n > parts and n // parts < PART_SIZE)):
         parts //= 2
-    dense = _in_memory_order(x)
-    if parts <= 1 or not dense.is_contiguous():
+    if parts <= 1 or not _dense(x):
         return None
     # (traced, a marker the joint stage lays out as Inductor will lay the value out: ``partials``)
-    return partials(x, parts) if traced(x) else dense.reshape(parts, -1)
+    return partials(x, parts) if traced(x) else _in_memory_order(x).reshape(parts, -1)
 
 
 def _in_memory_order(x: torch.Tensor) -> torch.Tensor:
     """``x`` permuted so that its dimensions run in the order of its strides, the largest first."""
     return x.permute(sorted(range(x.dim()), key=lambda d: -x.stride()[d])) if x.dim() else x
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elements fill its memory, in some order of its dimensions (``_in_memory_order``
+    is contiguous), read from its sizes and strides: traced, no op."""
+    expected = 1
+    for d in sorted(range(x.dim()), key=lambda d: x.stride()[d]):
+        if x.shape[d] != 1 and x.stride()[d] != expected:
+            return False
+        expected *= x.shape[d]
+    return True
 
 
 def _partials(x: torch.Tensor, parts: int) -> torch.Tensor:

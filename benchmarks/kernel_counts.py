@@ -18,8 +18,9 @@ counted; autoscale's update is, a compiled graph in the CPU's form, and in the G
 launch of its own Triton kernel (``autoscale.kernels.update``), which is counted as it launches (a
 stub too: the update's check of its first call then finds garbage, and warns).
 
-Models: those of ``benchmarks.overhead``, and a wide CNN (its CNN at 128 channels, which a GPU
-lays out channels-last, as a ResNet's convolutions). Methods, for each:
+Models: those of ``benchmarks.overhead``; a wide CNN (its CNN at 128 channels, which a GPU lays
+out channels-last, as a ResNet's convolutions); and T5 1+1 (``benchmarks.overflow_models``: a
+real architecture's graph, attention with Q, K and V projections of their own). Methods, for each:
   (a) autoscale on a GPU: float16 GEMMs, and the points and checks in the GPU's form
       (``autoscale.measure.ACCELERATOR_FORM``: each output written by its producer's kernel, each
       reduction handed to the fold as partial results)
@@ -49,10 +50,11 @@ import torch.nn as nn
 import autoscale
 from autoscale import measure
 from benchmarks import Autocast, Size, publish, size_of, step_parser
+from benchmarks.overflow_models import T5, t5_batch
 from benchmarks.overhead import MODELS, _Method, conv_net
 
-__all__ = ["COUNTED", "GRAPHS", "METHODS", "Counts", "count", "launches", "main", "report", "triton_codegen_on_cpu",
-           "wide_cnn"]
+__all__ = ["COUNTED", "GRAPHS", "METHODS", "Counts", "count", "launches", "main", "report", "t5",
+           "triton_codegen_on_cpu", "wide_cnn"]
 
 A_GPU, A_CPU_FORM, B = ("(a) autoscale, the GPU's form", "(a-cpu) autoscale, the CPU's form",
                         "(b) torch.compile + autocast(float16) + torch.amp.GradScaler")
@@ -174,12 +176,36 @@ def wide_cnn(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return conv_net(128, *{"quick": (8, 8), "full": (16, 16), "large": (32, 32)}[size])
 
 
-COUNTED: dict[str, Callable[[Size], tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {**MODELS, "wide CNN": wide_cnn}
-"""The models counted: ``benchmarks.overhead``'s, and a CNN a GPU lays out channels-last."""
+class _T5Logits(nn.Module):
+    """``benchmarks.overflow_models.T5`` (1 encoder and 1 decoder layer: Q, K and V projections
+    of their own, as in T5, BERT or Llama) as a step's model: the logits of a copy task's batch,
+    whose cross entropy the step takes, as T5's own forward does."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__()
+        self.t5 = T5(layers=1)
+        self.register_buffer("target", target)
+
+    def forward(self, source: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.t5.logits(source, self.target).flatten(0, 1)
+        return out
 
 
-def count(name: str, size: Size) -> dict[str, dict[str, Counts]]:
-    """Per method (``METHODS``), the kernels of each graph a step of model ``name`` compiles."""
+def t5(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """T5 1+1 on a batch of 8 sequences of 16 tokens (``--quick``: 4 of 8)."""
+    batch, seq = {"quick": (4, 8), "full": (8, 16), "large": (32, 64)}[size]
+    source, target = t5_batch(0, batch=batch, seq=seq)
+    return _T5Logits(target), source, target.flatten()
+
+
+COUNTED: dict[str, Callable[[Size], tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {
+    **MODELS, "wide CNN": wide_cnn, "T5 1+1": t5}
+"""The models counted: ``benchmarks.overhead``'s, a CNN a GPU lays out channels-last, and a T5."""
+
+
+def count(name: str, size: Size, methods: tuple[str, ...] = METHODS) -> dict[str, dict[str, Counts]]:
+    """Per method (``METHODS``, or those of them given), the kernels of each graph a step of model
+    ``name`` compiles."""
     model, x, y = COUNTED[name](size)
     native = autoscale.backend(autoscale.Config(compute="native"))
 
@@ -193,7 +219,8 @@ def count(name: str, size: Size) -> dict[str, dict[str, Counts]]:
             measure.FORMS["cpu"]),
     }
     out: dict[str, dict[str, Counts]] = {}
-    for label, (make, form) in makers.items():
+    for label in methods:
+        make, form = makers[label]
         seen: list[tuple[str, Counts]] = []
         with triton_codegen_on_cpu(seen), _cpu_form(form):
             torch._dynamo.reset()

@@ -128,6 +128,10 @@ class T5(nn.Module):
                 ff.wo.weight.normal_(0.0, ff_gain * d_ff**-0.5)
 
     def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.logits(source, target).flatten(0, 1), target.flatten())
+
+    def logits(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The next-token logits for ``target`` given ``source`` (teacher forcing)."""
         decoder_in = F.pad(target[:, :-1], (1, 0))  # shift right, start token 0
         x = self.shared(source)
         bias = self.encoder[0].attn.bias(x.shape[1], x.shape[1], x.device)
@@ -139,8 +143,8 @@ class T5(nn.Module):
         cross = torch.zeros(1, 1, 1, 1, device=y.device)
         for block in self.decoder:
             y = block(y, bias, memory, cross)
-        logits = self.lm_head(self.ln_dec(y))
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        out: torch.Tensor = self.lm_head(self.ln_dec(y))
+        return out
 
 
 def t5_batch(seed: int, *, batch: int = 8, seq: int = 16, vocab: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,9 +61,10 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec(insert_overflow_checks, "dynamo"),  # last: no other pass sees the checks as users of a value
     # AOTAutograd's joint forward+backward ATen graph, before partitioning.
     PassSpec(fold_casts, "joint"),
-    PassSpec(lay_out_partials, "joint"),  # a GPU's partial results read as Inductor will lay their values out
     PassSpec(reduce_at_source, "joint"),  # the points' and checks' maxima read their sources in order
     PassSpec(batch_records, "joint"),  # one fold of the rescale points' statistics per graph
     PassSpec(batch_row_reads, "joint"),  # each set of rows' scale computed once, in the graph
+    # (after the fold: a partial reduction read from a GEMM's copy moves after that GEMM)
+    PassSpec(lay_out_partials, "joint"),  # a GPU's partial results read as Inductor will lay their values out
 )
 """The pipeline, in order."""

@@ -50,21 +50,39 @@ def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None
     assert largest(torch.full((4 * PART_SIZE,), float("nan"))).isnan().all()
 
 
-def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch, config: autoscale.Config, cnn: bool = False
+class _Attention(nn.Module):
+    """Q, K and V projections split into heads, each copied for the next GEMM (as T5's): a GPU's
+    checks of the projections read the copies (``passes/lay_out_partials.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(8, 16, 4, 16).transpose(1, 2).contiguous()
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        mixed = torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
+        return self.out(mixed.transpose(1, 2).reshape(8, 16, 64)).mean(1)[:, :10]
+
+
+def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch, config: autoscale.Config, model_name: str = "mlp"
              ) -> tuple[list[torch.Tensor], torch.Tensor, list[autoscale.LayerReport]]:
     monkeypatch.setitem(FORMS, "cpu", form)
     torch._dynamo.reset()
     torch.manual_seed(0)
     # (8,192-element weights and 4,096-element activations: reductions of 8 and 4 partial results;
     # 64- and 10-element biases: handed as their elements)
-    model = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 10))
+    model: nn.Module = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 10))
     x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
-    if cnn:  # (laid out channels-last by Inductor on a CPU with oneDNN: so are its partial results)
+    if model_name == "cnn":  # (laid out channels-last by Inductor on a CPU with oneDNN: so are its partial results)
         model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
                               nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                               nn.Linear(16, 10))
-        x = torch.randn(8, 3, 16, 16)
-        y = y[:8]
+        x, y = torch.randn(8, 3, 16, 16), y[:8]
+    elif model_name == "attention":
+        model, x, y = _Attention(), torch.randn(8, 16, 64), y[:8]
     scaler, opt = autoscale.GradScaler(model, config), torch.optim.SGD(model.parameters(), lr=0.1)
     compiled = torch.compile(model, backend=autoscale.backend(config))
     for _ in range(5):  # (the last measured, with measure_every=2 too)
@@ -93,15 +111,18 @@ def test_a_gpus_form_trains_bit_for_bit_as_the_cpus(monkeypatch: pytest.MonkeyPa
     assert cpu[1][:, measure.STAT["amax"]].gt(0).sum() >= 2  # (the layers measured something)
 
 
-def test_a_gpus_form_trains_a_cnn_laid_out_channels_last_as_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same for a CNN whose values Inductor lays out channels-last (oneDNN's rule on a CPU),
-    and with them the GPU's form's partial results (``passes/lay_out_partials.py``): statistics and
-    layer reports bit for bit. The parameters only as one graph run by two executors: Inductor fuses
-    the batch norms' backward reductions otherwise in the two forms, and sums them in another order
-    (the last bits of four of the eight parameters, with the partials in either layout)."""
-    config = autoscale.Config()
-    cpu = _trained(FORMS["cpu"], monkeypatch, config, cnn=True)
-    gpu = _trained(ACCELERATOR_FORM, monkeypatch, config, cnn=True)
+@pytest.mark.parametrize("model_name", ["cnn", "attention"])
+def test_a_gpus_form_trains_a_cnn_and_attention_as_the_cpus(monkeypatch: pytest.MonkeyPatch, model_name: str) -> None:
+    """The same for a CNN whose values Inductor lays out channels-last (oneDNN's rule on a CPU), and
+    with them the GPU's form's partial results, and for an attention whose checks of its Q, K and V
+    read the copies the next GEMMs read (``passes/lay_out_partials.py``): statistics and layer
+    reports bit for bit. The parameters only as one graph run by two executors: Inductor fuses and
+    orders some reductions otherwise in the two forms (the CNN's batch norms' backward: the last bits
+    of four of its eight parameters, with the partials in either layout)."""
+    # (the attention's GEMMs native, as on a GPU: emulated, a rounding kernel writes their outputs)
+    config = autoscale.Config(compute="native" if model_name == "attention" else "emulate")
+    cpu = _trained(FORMS["cpu"], monkeypatch, config, model_name)
+    gpu = _trained(ACCELERATOR_FORM, monkeypatch, config, model_name)
     assert all(sqnr(a, b) >= SQNR_MIN_DB_SAME_GRAPH for a, b in zip(cpu[0], gpu[0], strict=True))
     assert cpu[1].equal(gpu[1]) and cpu[2] == gpu[2]
-    assert cpu[1][:, measure.STAT["amax"]].gt(0).sum() >= 3  # (both convolutions' and the head's)
+    assert cpu[1][:, measure.STAT["amax"]].gt(0).sum() >= 3  # (the convolutions' or projections', the head's)

@@ -58,9 +58,21 @@ def test_a_wide_cnns_partial_results_are_read_in_its_layout(monkeypatch: pytest.
     """A GPU lays the wide CNN out channels-last. Its points' and checks' partial results read so
     (``passes/lay_out_partials.py``) join the kernels that write their values: fewer launches than
     read in the traced NCHW order, as before the pass."""
-    laid_out = count("wide CNN", "quick")[A_GPU]
+    laid_out = count("wide CNN", "quick", (A_GPU,))[A_GPU]
     lay_out = importlib.import_module("autoscale.passes.lay_out_partials")
     monkeypatch.setattr(lay_out, "_inductor_lays_out_channels_last", lambda gm: False)
-    traced_order = count("wide CNN", "quick")[A_GPU]
+    traced_order = count("wide CNN", "quick", (A_GPU,))[A_GPU]
     for graph in ("forward", "backward"):
         assert laid_out[graph].triton < traced_order[graph].triton, graph
+
+
+def test_a_t5s_checks_of_its_projections_join_the_kernels_that_copy_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """T5's Q, K and V projections are GEMM outputs (no kernel of Inductor's writes them); their
+    checks read the heads' copies that the next GEMMs read, in the kernels that write the copies:
+    fewer forward launches than reading the projections."""
+    from_copies = count("T5 1+1", "quick", (A_GPU,))[A_GPU]
+    lay_out = importlib.import_module("autoscale.passes.lay_out_partials")
+    monkeypatch.setattr(lay_out, "_copy_read_after_its_gemm", lambda node: None)
+    from_outputs = count("T5 1+1", "quick", (A_GPU,))[A_GPU]
+    assert from_copies["forward"].triton < from_outputs["forward"].triton
+    assert from_copies["backward"].triton == from_outputs["backward"].triton

@@ -50,7 +50,7 @@ def test_partials_follow_inductors_layout(channels: int, onednn: bool, executor:
     gm, inputs = _traced(channels, monkeypatch)
     with torch.backends.mkldnn.flags(enabled=onednn):
         counts = _lay_out(gm, autoscale.Config(executor=executor, verify=True))  # type: ignore[arg-type]
-    assert counts == {"partials": 1, "channels_last": int(across)}
+    assert counts == {"partials": 1, "channels_last": int(across), "copies": 0}
     assert not gm.graph.find_nodes(op="call_function", target=partials)
     clones = gm.graph.find_nodes(op="call_function", target=CLONE)
     assert [c.kwargs.get("memory_format") for c in clones] == ([torch.channels_last] if across else [])
@@ -70,3 +70,34 @@ def test_partials_op_takes_the_elements_in_memory_order() -> None:
     assert partials(last, 4).equal(x.permute(0, 2, 3, 1).reshape(4, -1))
     with FakeTensorMode() as fake_mode:
         assert partials(fake_mode.from_tensor(x), 4).shape == (4, 24)
+
+
+@pytest.mark.parametrize(("permutation", "copies"), [
+    ((0, 2, 1, 3), 1),  # heads split off a GEMM's output, copied for the next GEMM: read from the copy
+    ((0, 1, 2, 3), 0),  # no copy (the GEMM reads a view): the value itself
+])
+def test_a_gemms_output_is_read_from_the_copy_inductor_writes(permutation: tuple[int, ...], copies: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked, a GEMM's output whose next GEMM reads a copy of it is read from that copy, after that
+    GEMM (so that Inductor has written the copy), with the same maximum: the copy holds every
+    element once."""
+    monkeypatch.setitem(FORMS, "cpu", ACCELERATOR_FORM)
+    inputs = torch.randn(128, 64), torch.randn(64, 64)
+
+    def attention_scores(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = (x @ w).view(8, 16, 4, 16)
+        peak = largest(q.abs())  # (traced before the next GEMM, as a check is)
+        heads = q.permute(*permutation)
+        if copies:
+            heads = heads.contiguous()
+        return heads @ heads.transpose(-1, -2), peak
+
+    gm = make_fx(attention_scores, tracing_mode="fake")(*inputs)
+    counts = _lay_out(gm, autoscale.Config(verify=True))
+    assert counts == {"partials": 1, "channels_last": 0, "copies": copies}
+    (amax,) = [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.amax.default)]
+    bmm = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.bmm.default)[0]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    assert (order[amax] > order[bmm]) == bool(copies)
+    scores, peaks = gm(*inputs)
+    assert whole(peaks, "max").equal((inputs[0] @ inputs[1]).abs().max())
