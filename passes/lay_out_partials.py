@@ -134,17 +134,19 @@ def _copy_read_after_its_gemm(node: Node) -> tuple[Node, Node] | None:
     if not isinstance(value, Node) or not _written_by_gemm(value) or len(node.users) != 1:
         return None
     copy = _copy_of(value)
-    gemm = _first_reader(copy) if copy is not None else None
-    if copy is None or gemm is None or gemm.next.op == "output":
+    if copy is None:
         return None
     position = {n: i for i, n in enumerate(node.graph.nodes)}
+    gemm = _first_reader(copy, position)
+    if gemm is None or gemm.next.op == "output":
+        return None
     (reduction,) = node.users
     if any(position[user] <= position[gemm] for user in reduction.users):
         return None
     return copy, gemm.next
 
 
-def _first_reader(copy: Node) -> Node | None:
+def _first_reader(copy: Node, position: dict[Node, int]) -> Node | None:
     """The first node that reads ``copy`` other than through rearrangements (views, a transpose, an
     ``expand``, as a batched GEMM reads its operands): the GEMM it is made for, or None if that
     first reader is not a GEMM."""
@@ -155,7 +157,6 @@ def _first_reader(copy: Node) -> Node | None:
             (frontier if op_name(user) in _THROUGH else readers).append(user)
     if not readers:
         return None
-    position = {n: i for i, n in enumerate(copy.graph.nodes)}
     first = min(readers, key=position.__getitem__)
     return first if op_name(first) in _GEMMS else None
 
