@@ -43,9 +43,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["ACCELERATOR_FORM", "ANY_NONFINITE", "ARRIVED", "BAD", "FORMS", "LOSS_ROW", "MADE", "MAX", "MODES",
-           "NUM_STATS", "PEAK", "STAT", "SUM", "Form", "Measured", "counted", "fold", "form_of", "largest",
-           "partials", "point_backward", "reading", "record", "rescaled", "scale_and_measure", "set_scale", "taken",
-           "traced", "whole"]
+           "NUM_STATS", "PEAK", "STAT", "SUM", "Form", "Measured", "counted", "fold", "form_of", "is_dense", "largest",
+           "memory_order", "partials", "point_backward", "reading", "record", "rescaled", "scale_and_measure",
+           "set_scale", "taken", "traced", "whole"]
 
 aten = torch.ops.aten
 
@@ -138,22 +138,27 @@ def _partial(x: torch.Tensor) -> torch.Tensor | None:
         parts = n
     while parts > 1 and (n % parts or (n > parts and n // parts < PART_SIZE)):
         parts //= 2
-    if parts <= 1 or not _dense(x):
+    if parts <= 1 or not is_dense(x):
         return None
     # (traced, a marker the joint stage lays out as Inductor will lay the value out: ``partials``)
     return partials(x, parts) if traced(x) else _in_memory_order(x).reshape(parts, -1)
 
 
+def memory_order(x: torch.Tensor) -> list[int]:
+    """``x``'s dimensions in the order of its strides, the largest first."""
+    return sorted(range(x.dim()), key=lambda d: -x.stride()[d])
+
+
 def _in_memory_order(x: torch.Tensor) -> torch.Tensor:
     """``x`` permuted so that its dimensions run in the order of its strides, the largest first."""
-    return x.permute(sorted(range(x.dim()), key=lambda d: -x.stride()[d])) if x.dim() else x
+    return x.permute(memory_order(x)) if x.dim() else x
 
 
-def _dense(x: torch.Tensor) -> bool:
-    """Whether ``x``'s elements fill its memory, in some order of its dimensions (``_in_memory_order``
-    is contiguous), read from its sizes and strides: traced, no op."""
+def is_dense(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elements fill its memory, in some order of its dimensions (permuted to
+    ``memory_order``, it is contiguous), read from its sizes and strides: traced, no op."""
     expected = 1
-    for d in sorted(range(x.dim()), key=lambda d: x.stride()[d]):
+    for d in reversed(memory_order(x)):
         if x.shape[d] != 1 and x.stride()[d] != expected:
             return False
         expected *= x.shape[d]

@@ -38,11 +38,11 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from autoscale.measure import partials
+from autoscale.measure import is_dense, memory_order, partials
 
 from .graph_utils import cast_of, new_fake_call, op_name, provenance
 from .manager import PassResult
-from .op_tables import REARRANGING, UNARY_ELEMENTWISE
+from .op_tables import REARRANGING, UNARY_ELEMENTWISE, VIEWS
 
 if TYPE_CHECKING:
     from autoscale.config import Config
@@ -54,7 +54,7 @@ aten = torch.ops.aten
 _CHANNELS_LAST = (0, 2, 3, 1)  # (NCHW's dimensions in the order channels-last lays them out)
 _GEMMS = frozenset({"mm", "bmm", "addmm", "baddbmm"})  # (extern kernels: cuBLAS writes their outputs)
 _IDENTITY = frozenset({"alias", "detach"})
-_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "alias"})
+_VIEWS = VIEWS | {"_unsafe_view"}  # (what a GEMM's output is read through, to the GEMM)
 _THROUGH = REARRANGING - {"clone"}  # (what a GEMM reads its operand through, from the copy)
 
 
@@ -77,7 +77,7 @@ def lay_out_partials(gm: GraphModule, cfg: Config) -> PassResult:
             (value, at), copies = copied, copies + 1
         val = value.meta["val"]
         across = channels_last and val.dim() == 4 and copied is None
-        order = _CHANNELS_LAST if across else _memory_order(val)
+        order = _CHANNELS_LAST if across else memory_order(val)
         why = f"{parts} partial results of {value.name}, " + (
             "channels-last, as Inductor lays out this graph" if across
             else "in its memory order" if copied is None else "read from a copy Inductor writes")
@@ -189,7 +189,7 @@ def _copy_of(value: Node) -> Node | None:
                     or not isinstance(val, torch.Tensor) or val.numel() != numel):
                 continue
             if op_name(user) == "clone":
-                return user if val.permute(_memory_order(val)).is_contiguous() else None
+                return user if is_dense(val) else None
             frontier.append(user)
     return None
 
@@ -209,7 +209,3 @@ def _inductor_lays_out_channels_last(gm: GraphModule) -> bool:
     except (AttributeError, KeyError, TypeError):
         return False
 
-
-def _memory_order(val: torch.Tensor) -> list[int]:
-    """``val``'s dimensions in the order of its strides, the largest first."""
-    return sorted(range(val.dim()), key=lambda d: -val.stride()[d])
