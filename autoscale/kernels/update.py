@@ -3,9 +3,10 @@
 Inductor compiles ``adaptive_update`` into seven kernels on a GPU (docs/results/kernel_counts.md):
 the update reads its state and then clears it (the statistics, the forward's peaks, the overflow
 flag found outside the graphs), and a write after a read of the same buffer, over another range
-than the reads', is a kernel of its own. On an H200 those seven launches and the compiled graph's
-wrapper made ``update()`` 0.29-0.36 ms of a 3-5 ms launch-bound step, against torch.amp's 0.04 ms
-for its one ``_amp_update_scale_`` (docs/results/step_profile_cuda.md).
+than the reads', is a kernel of its own. On an H200, ``update()`` took 0.29-0.36 ms of a 3-5 ms
+launch-bound step, against torch.amp's 0.04 ms for its one ``_amp_update_scale_``, with the seven
+launches and the compiled graph's wrapper among its costliest host work
+(docs/results/step_profile_cuda.md).
 
 The update's tensors are small (one row per layer, one slot per forward check), so one program
 holds all of them: it reads everything, waits at a barrier for every thread to have read, and
