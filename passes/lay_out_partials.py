@@ -32,7 +32,7 @@ Either way, any grouping of the elements into parts gives the same reduction ove
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._guards import detect_fake_mode
@@ -72,9 +72,11 @@ def lay_out_partials(gm: GraphModule, cfg: Config) -> PassResult:
         value, parts = node.args
         assert isinstance(value, Node) and isinstance(parts, int)
         traced_input, at = value, node
+        unary: list[Node] = []
         copied = _copy_read_after_its_gemm(node)
         if copied is not None:
-            (value, at), copies = copied, copies + 1
+            value, at, unary = copied
+            copies += 1
         val = value.meta["val"]
         across = channels_last and val.dim() == 4 and copied is None
         order = _CHANNELS_LAST if across else memory_order(val)
@@ -83,10 +85,9 @@ def lay_out_partials(gm: GraphModule, cfg: Config) -> PassResult:
             else "in its memory order" if copied is None else "read from a copy Inductor writes")
         with graph.inserting_before(at):
             dense = value
-            if copied is not None:  # (the casts and ``abs`` the reduction took of the value, of its copy)
-                for op in _unary_under(node):
-                    dense = new_fake_call(graph, fake_mode, op.target, (dense, *op.args[1:]), dict(op.kwargs))
-                    provenance(dense, PASS, why, created=True)
+            for op in unary:  # (the casts and ``abs`` the reduction took of the value, of its copy)
+                dense = new_fake_call(graph, fake_mode, op.target, (dense, *op.args[1:]), dict(op.kwargs))
+                provenance(dense, PASS, why, created=True)
             if across:
                 dense = new_fake_call(graph, fake_mode, aten.clone.default, (dense,),
                                       {"memory_format": torch.channels_last})
@@ -107,8 +108,9 @@ def lay_out_partials(gm: GraphModule, cfg: Config) -> PassResult:
     return PassResult(gm, modified=True, counts={"partials": len(found), "channels_last": laid_out, "copies": copies})
 
 
-def _unary_under(node: Node) -> list[Node]:
-    """The casts and ``abs`` between ``node`` (a ``partials``) and the value it reduces, the value's first."""
+def _under(node: Node) -> tuple[Any, list[Node]]:
+    """The value ``node`` (a ``partials``) reduces, under its casts and ``abs`` (and aliases), and those
+    ops, the value's first."""
     unary: list[Node] = []
     value = node.args[0]
     while isinstance(value, Node) and value.op == "call_function" and (
@@ -117,20 +119,18 @@ def _unary_under(node: Node) -> list[Node]:
         if op_name(value) not in _IDENTITY:
             unary.append(value)
         value = value.args[0]
-    return unary[::-1]
+    return value, unary[::-1]
 
 
-def _copy_read_after_its_gemm(node: Node) -> tuple[Node, Node] | None:
+def _copy_read_after_its_gemm(node: Node) -> tuple[Node, Node, list[Node]] | None:
     """For ``node`` (a ``partials``) of a GEMM's output, under casts and ``abs``, whose next GEMM reads
     it through a copy that Inductor writes (rearrangements that keep every element, then a
-    ``clone``): the copy, and the node after that GEMM, before which its reduction is to read the
-    copy. Inductor lowers nodes in order; read before the GEMM, the copy would still be an unwritten
-    expression, which the reduction computes again in a kernel of its own. None where that is not
-    so, or where the reduction's result is read before that point (not a fold at the graph's end)."""
-    unary = _unary_under(node)
-    value = unary[0].args[0] if unary else node.args[0]
-    while isinstance(value, Node) and op_name(value) in _IDENTITY:
-        value = value.args[0]
+    ``clone``): the copy, the node after that GEMM, before which its reduction is to read the copy,
+    and the casts and ``abs`` to take of it (``_under``). Inductor lowers nodes in order; read
+    before the GEMM, the copy would still be an unwritten expression, which the reduction computes
+    again in a kernel of its own. None where that is not so, or where the reduction's result is read
+    before that point (not a fold at the graph's end)."""
+    value, unary = _under(node)
     if not isinstance(value, Node) or not _written_by_gemm(value) or len(node.users) != 1:
         return None
     copy = _copy_of(value)
@@ -143,7 +143,7 @@ def _copy_read_after_its_gemm(node: Node) -> tuple[Node, Node] | None:
     (reduction,) = node.users
     if any(position[user] <= position[gemm] for user in reduction.users):
         return None
-    return copy, gemm.next
+    return copy, gemm.next, unary
 
 
 def _first_reader(copy: Node, position: dict[Node, int]) -> Node | None:
