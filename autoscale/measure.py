@@ -100,6 +100,18 @@ class Form(NamedTuple):
     partial results then their reduction: handed as partial results, the first is fused into the
     value's producer and the second is the fold's. On the CPU a full reduction is one loop of the
     producer's kernel."""
+    rows: int = 0
+    """The most rows whose partial results a value's reduction hands on, one per row, where the
+    value has more elements than ``parts`` (``_partial``): its elements over its innermost
+    dimension in memory, of at least ``ROW_SIZE`` of them. Inductor fuses two kernels that read one
+    buffer only where both read it at the same indices (``Scheduler.score_fusion_memory``). Reduced
+    row by row, a value is read as the kernels reading it by rows read it, a layer norm's or a
+    softmax's, and as a point's own scaled write reads it, and Inductor computes the reduction in
+    those kernels. Split into equal flat parts instead, the partial reduction was a kernel of
+    its own beside each of those (a GPU step of T5 1+1: 236 launches against 200 by rows, and
+    torch.amp's 177: ``benchmarks.kernel_counts``). A value of more rows is split as ``parts``
+    says: the fold gathers every value's partial results side by side, padded to the most any
+    hands on (``passes/batch_records.py``)."""
     fused_update: bool = False
     """The scaler's update runs as one Triton launch (``autoscale.kernels.update``), where Inductor
     made it seven kernels on a GPU (``autoscale.update.CompiledUpdate``). On the CPU Inductor makes
@@ -108,10 +120,13 @@ class Form(NamedTuple):
 
 FORMS: dict[str, Form] = {"cpu": Form(in_place=True, parts=1)}
 """The form per device type; every other device (CUDA) takes ``ACCELERATOR_FORM``."""
-ACCELERATOR_FORM = Form(in_place=False, parts=512, fused_update=True)
+ACCELERATOR_FORM = Form(in_place=False, parts=512, rows=1024, fused_update=True)
 PART_SIZE = 1024
 """The fewest elements a partial result reduces (``_partial``), but for a value of no more elements
-than its form's ``parts``, whose elements are handed on as they are."""
+than its form's ``parts``, whose elements are handed on as they are, and for a row (``ROW_SIZE``)."""
+ROW_SIZE = 16
+"""The fewest elements of a row whose partial result a value's reduction hands on (``Form.rows``):
+fewer, as a convolution weight's rows of 3, and the value is split into parts (``Form.parts``)."""
 
 
 def form_of(device: torch.device) -> Form:
@@ -120,28 +135,41 @@ def form_of(device: torch.device) -> Form:
 
 
 def _partial(x: torch.Tensor) -> torch.Tensor | None:
-    """``x``'s elements in memory order as ``[parts, -1]`` (``Form.parts``), for a reduction over all
-    of them to hand on as partial results: as many parts as its device's form takes, halved until
-    each has at least ``PART_SIZE`` elements and they divide ``x``; a value of no more elements
-    than that, one part each (no reduction at all: a bias's gradient, whose reduction, over the
-    output of the batch's, was a kernel of its own). None where it would be one part, and for a
-    value whose size or layout is symbolic, or whose elements are not dense in memory (its partial
-    results would read it through a copy; whole, ``passes/reduce_at_source.py`` has it read its
-    source). A value laid out in another order (a channels-last gradient) is read in its own,
-    which no reduction over all of it depends on. Traced, the order is the one Inductor will lay
-    the value out in, which it decides after the trace: ``partials`` marks the reshape for
+    """``x``'s elements in memory order as ``[parts, -1]``, for a reduction over all of them to hand
+    on as partial results (``_parts``). None where that would be one part, and for a value whose
+    size or layout is symbolic, or whose elements are not dense in memory (its partial results
+    would read it through a copy; whole, ``passes/reduce_at_source.py`` has it read its source).
+    A value laid out in another order (a channels-last gradient) is read in its own, which no
+    reduction over all of it depends on. Traced, the order is the one Inductor will lay the value
+    out in, which it decides after the trace: ``partials`` marks the reshape for
     ``passes/lay_out_partials.py``."""
-    parts, n = form_of(x.device).parts, x.numel()
-    if parts <= 1 or not isinstance(n, int) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
+    form, n = form_of(x.device), x.numel()
+    if form.parts <= 1 or not isinstance(n, int) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
         return None
-    if n <= parts:
-        parts = n
-    while parts > 1 and (n % parts or (n > parts and n // parts < PART_SIZE)):
-        parts //= 2
+    parts = _parts(x, form)
     if parts <= 1 or not is_dense(x):
         return None
     # (traced, a marker the joint stage lays out as Inductor will lay the value out: ``partials``)
     return partials(x, parts) if traced(x) else _in_memory_order(x).reshape(parts, -1)
+
+
+def _parts(x: torch.Tensor, form: Form) -> int:
+    """How many partial results a reduction over ``x`` hands on in ``form``: a value of no more
+    elements than ``form.parts``, one part each (no reduction at all: a bias's gradient, whose
+    reduction, over the output of the batch's, was a kernel of its own); else one per row of the
+    value, where it has at most ``form.rows`` of them (``Form.rows``); else ``form.parts``, halved
+    until each part has at least ``PART_SIZE`` elements and they divide ``x``."""
+    n = x.numel()
+    if n <= form.parts:
+        return n
+    inner = [d for d in memory_order(x) if x.shape[d] > 1][-1:]
+    rows = n // x.shape[inner[0]] if inner and x.shape[inner[0]] >= ROW_SIZE else 1
+    if 1 < rows <= form.rows:
+        return rows
+    parts = form.parts
+    while parts > 1 and (n % parts or n // parts < PART_SIZE):
+        parts //= 2
+    return parts
 
 
 def memory_order(x: torch.Tensor) -> list[int]:

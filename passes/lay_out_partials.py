@@ -27,7 +27,10 @@ results are then read from the copy, in its memory order, and Inductor computes 
 that writes it (a probe: a GEMM's output split into heads and checked, 2 launches; its copy
 checked, 1).
 
-Either way, any grouping of the elements into parts gives the same reduction over all of them.
+Either way, any grouping of the elements into parts gives the same reduction over all of them. The
+number of parts is the trace's (the fold reads that many): a value whose parts were its rows in
+the traced order (``autoscale.measure.Form.rows``) and that Inductor lays out channels-last, or
+that is read from a copy, is split into as many equal runs of its elements in the new order.
 """
 
 from __future__ import annotations

@@ -28,26 +28,45 @@ def test_on_the_cpu_a_reduction_is_whole() -> None:
 
 @pytest.mark.usefixtures("gpu_form")
 def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None:
-    """As many as the form takes, halved until each reduces ``PART_SIZE`` elements or more and
-    they divide the value; one per element for a value of no more elements than that; whole for one
-    not dense in memory (its partial results would read it through a copy); one laid out in
-    another order, in its own."""
+    """Where a value's rows do not serve (``Form.rows``): as many as the form takes, halved until each
+    reduces ``PART_SIZE`` elements or more and they divide the value; one per element for a value of
+    no more elements than that; whole for one not dense in memory (its partial results would read
+    it through a copy)."""
     x = torch.randn(4 * PART_SIZE).abs()
     peaks, counts = largest(x), counted(x > 1.0)
     assert peaks.shape == (4,) and counts.shape == (4,)
     assert whole(peaks, "max").equal(x.amax()) and whole(counts, "sum") == (x > 1.0).sum()
-    assert largest(torch.randn(1024, 1024).abs()).shape == (ACCELERATOR_FORM.parts,)
+    assert largest(torch.randn(4 * ACCELERATOR_FORM.rows, 256).abs()).shape == (ACCELERATOR_FORM.parts,)
     # (the largest power of two that divides it into parts of PART_SIZE or more)
     assert largest(torch.randn(3 * PART_SIZE).abs()).shape == (2,)
     assert largest(torch.randn(PART_SIZE + 1).abs()).shape == (1,)
+    short_rows = torch.randn(32, 32, 3, 3).abs()  # (a convolution's weight: rows of 3, fewer than ROW_SIZE)
+    assert largest(short_rows).shape == (8,) and whole(largest(short_rows), "max").equal(short_rows.amax())
     small = torch.randn(10, 30).abs()  # (no more elements than parts: each its own, no reduction)
     assert largest(small).shape == (300,) and whole(largest(small), "max").equal(small.amax())
     assert counted(small > 1.0).shape == (300,)
-    transposed = torch.randn(64, 4 * PART_SIZE).t().abs()  # (read in its memory order)
-    assert largest(transposed).shape == (ACCELERATOR_FORM.parts // 2,)
-    assert whole(largest(transposed), "max").equal(transposed.amax())
     assert largest(torch.randn(64, 8 * PART_SIZE).abs()[:, ::2]).shape == (1,)  # (not dense)
     assert largest(torch.full((4 * PART_SIZE,), float("nan"))).isnan().all()
+
+
+@pytest.mark.usefixtures("gpu_form")
+def test_a_gpus_reductions_follow_a_values_rows_in_memory() -> None:
+    """A value of more elements than the form's ``parts`` and at most its ``rows`` rows of
+    ``ROW_SIZE`` or more hands on one partial result per row, its rows being those of its
+    innermost dimension in memory: the reduction reads it at the indices at which the kernels that
+    read it by rows read it (``Form.rows``)."""
+    x = torch.randn(64, 128).abs()
+    assert largest(x).equal(x.amax(1)) and counted(x > 1.0).equal((x > 1.0).sum(1).float())
+    assert largest(torch.randn(16, 64, 128).abs()).shape == (1024,)  # (a batch of sequences' rows)
+    transposed = torch.randn(64, 4 * PART_SIZE).t().abs()  # (4,096 rows as indexed, 64 in memory)
+    assert largest(transposed).equal(transposed.amax(0))
+    channels_last = torch.randn(8, 16, 8, 8).abs().contiguous(memory_format=torch.channels_last)
+    assert largest(channels_last).equal(channels_last.amax(1).flatten())  # (a row per pixel, its channels)
+    # (rows of ROW_SIZE elements are reduced one by one; one element shorter, the value is split in parts)
+    assert largest(torch.randn(64, 8, measure.ROW_SIZE).abs()).shape == (512,)
+    assert largest(torch.randn(64, 8, measure.ROW_SIZE - 1).abs()).shape == (4,)
+    many = torch.randn(2 * ACCELERATOR_FORM.rows, 64).abs()  # (more rows than the form takes: parts)
+    assert largest(many).shape == (128,) and whole(largest(many), "max").equal(many.amax())
 
 
 class _Attention(nn.Module):
@@ -72,7 +91,7 @@ def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch, config: autosc
     monkeypatch.setitem(FORMS, "cpu", form)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    # (8,192-element weights and 4,096-element activations: reductions of 8 and 4 partial results;
+    # (8,192-element weights and 4,096-element activations: 64 rows each, a partial result a row;
     # 64- and 10-element biases: handed as their elements)
     model: nn.Module = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 10))
     x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import benchmarks.kernel_counts as kernel_counts
+from autoscale import measure
 from benchmarks.kernel_counts import A_CPU_FORM, A_GPU, GRAPHS, METHODS, B, Counts, count, launches, report
 
 
@@ -76,3 +77,14 @@ def test_a_t5s_checks_of_its_projections_join_the_kernels_that_copy_them(monkeyp
     from_outputs = count("T5 1+1", "quick", (A_GPU,))[A_GPU]
     assert from_copies["forward"].triton < from_outputs["forward"].triton
     assert from_copies["backward"].triton == from_outputs["backward"].triton
+
+
+def test_partial_results_by_rows_join_the_kernels_that_read_a_value_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transformer block's values reduced row by row (``autoscale.measure.Form.rows``) are read
+    at the indices its norms, its softmax and its points' scaled writes read them, whose kernels
+    Inductor then computes them in: fewer launches, forward and backward, than split into flat parts."""
+    by_rows = count("transformer block", "quick", (A_GPU,))[A_GPU]
+    monkeypatch.setattr(measure, "ACCELERATOR_FORM", measure.ACCELERATOR_FORM._replace(rows=0))
+    in_parts = count("transformer block", "quick", (A_GPU,))[A_GPU]
+    for graph in ("forward", "backward"):
+        assert by_rows[graph].triton < in_parts[graph].triton, graph
