@@ -162,10 +162,10 @@ def _parts(x: torch.Tensor, form: Form) -> int:
     n = x.numel()
     if n <= form.parts:
         return n
-    inner = [d for d in memory_order(x) if x.shape[d] > 1][-1:]
-    rows = n // x.shape[inner[0]] if inner and x.shape[inner[0]] >= ROW_SIZE else 1
-    if 1 < rows <= form.rows:
-        return rows
+    sizes = [x.shape[d] for d in memory_order(x) if x.shape[d] > 1]  # (a size-1 dimension's stride is any)
+    row = sizes[-1] if sizes else 1
+    if row >= ROW_SIZE and 1 < n // row <= form.rows:
+        return n // row
     parts = form.parts
     while parts > 1 and (n % parts or n // parts < PART_SIZE):
         parts //= 2
