@@ -28,7 +28,13 @@ check on each batch norm's output cost 2.3x the step (Inductor no longer fused t
 and the cast after it names the same value.
 
 ``watch`` folds ``max |x|`` into the slot: Inductor fuses the reduction into the kernel that
-produces ``x``, and the scaler reads the peaks after the step (``autoscale.overflow``). Slots are
+produces ``x``, and the scaler reads the peaks after the step (``autoscale.overflow``). Why in the
+forward, though the peaks are read after the backward: moved into the backward wherever it reads
+``x`` anyway (AOTAutograd's ``must_be_in_backward`` tag, a probe), a check cost the same on the
+CPU (a/b 1.057 and 1.058 against 1.055 and 1.054 on ``benchmarks.overhead --quick``), and on a
+GPU it took more launches, most of the moved maxima unfused there (T5 1+1: 225 against 200,
+``benchmarks.kernel_counts``); and a loop that calls ``update()`` without a backward after a
+non-finite loss would no longer see the overflow (docs/results/overhead_quick.md). Slots are
 numbered per graph here; the backend maps them to the scaler state's slots by each site's key.
 The sites, with their keys, predictions and nearest watched sites upstream (to tell an overflow
 from its consequences), go to ``gm.meta[SITES_KEY]``. Runs only for float16, with
