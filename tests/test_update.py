@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from autoscale.measure import NUM_STATS, STAT
 from autoscale.mirror import HostMirror
-from autoscale.update import CompiledUpdate, UpdateTensors, adaptive_update, pow2floor
+from autoscale.update import CompiledUpdate, UpdateTensors, _boxed, adaptive_update, pow2floor
 
 ROWS, SITES = 6, 5
 CONSTANTS = {"backoff": 0.5, "repeated_backoff": 2.0**-6, "growth": 2.0, "high": 2.0**40, "headroom": 65504 / 64}
@@ -102,6 +102,32 @@ def test_a_variant_called_on_other_layouts_compiles_for_them() -> None:
     assert ran is not None and len(update._variants) == 2
     for name, a, b in zip(UpdateTensors._fields, *wider, strict=True):
         assert torch.equal(a, b), name
+
+
+def test_the_output_code_is_called_through_its_wrapper_once_then_directly() -> None:
+    """``_boxed``: the first call goes through the output code's ``__call__``, which closes its
+    compile's bookkeeping; later calls go straight to the generated module's ``call`` it wraps
+    (``current_callable``). Output code without one is called as it is, every time."""
+    calls: list[tuple[str, int]] = []
+
+    class OutputCode:
+        def __init__(self) -> None:
+            self.current_callable = lambda args: calls.append(("module", len(args)))
+
+        def __call__(self, args: list[torch.Tensor]) -> None:
+            calls.append(("output code", len(args)))
+            self.current_callable(args)
+
+    t = torch.zeros(1)
+    run = _boxed(OutputCode())
+    for _ in range(3):
+        run(t, t)
+    assert calls == [("output code", 2), ("module", 2), ("module", 2), ("module", 2)]
+    calls.clear()
+    plain = _boxed(lambda args: calls.append(("plain", len(args))))
+    plain(t)
+    plain(t)
+    assert calls == [("plain", 1), ("plain", 1)]
 
 
 def test_pow2floor_is_exact_around_powers_of_two() -> None:
