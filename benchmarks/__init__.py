@@ -10,8 +10,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-Size = Literal["quick", "full", "large"]
-"""How large a step benchmark's models are: ``--quick``, the default, or ``--large`` (GPU only)."""
+Size = Literal["tiny", "quick", "full", "large"]
+"""How large a step benchmark's models are: ``--tiny`` (where the benchmark has it: its arithmetic
+negligible, a step is what it costs besides), ``--quick``, the default, or ``--large`` (GPU only)."""
 
 NOTES_HEADING = "## What the numbers say"
 
@@ -40,20 +41,23 @@ def notes_of(path: Path) -> str:
 
 
 def results_path(stem: str, *, size: Size = "full", device: str = "cpu") -> Path:
-    """docs/results/<stem>[_quick|_large][_<device>].md: where a benchmark's report goes by default."""
+    """docs/results/<stem>[_tiny|_quick|_large][_<device>].md: where a benchmark's report goes by default."""
     suffix = ("" if size == "full" else f"_{size}") + ("" if device == "cpu" else f"_{device}")
     return Path(__file__).resolve().parent.parent / "docs" / "results" / f"{stem}{suffix}.md"
 
 
-def step_parser(doc: str | None, stem: str, quick_help: str, large_help: str | None = None
-                ) -> argparse.ArgumentParser:
-    """The options of a benchmark of training steps: --quick (and --large, where the benchmark has
-    large models: ``large_help``), --device, -o (see ``publish``). ``size_of`` reads the size."""
+def step_parser(doc: str | None, stem: str, quick_help: str, large_help: str | None = None,
+                tiny_help: str | None = None) -> argparse.ArgumentParser:
+    """The options of a benchmark of training steps: --quick (and --large and --tiny, where the
+    benchmark has such models: ``large_help``, ``tiny_help``), --device, -o (see ``publish``).
+    ``size_of`` reads the size."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--quick", action="store_true", help=quick_help)
     if large_help is not None:
         sizes.add_argument("--large", action="store_true", help=large_help)
+    if tiny_help is not None:
+        sizes.add_argument("--tiny", action="store_true", help=tiny_help)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("-o", "--output", type=Path, help=f"report path (default docs/results/{stem}*.md)")
     return parser
@@ -67,6 +71,8 @@ def publish(text: str, stem: str, args: argparse.Namespace) -> None:
 
 def size_of(args: argparse.Namespace) -> Size:
     """The model size a ``step_parser`` benchmark's options ask for."""
+    if getattr(args, "tiny", False):
+        return "tiny"
     return "quick" if args.quick else "large" if getattr(args, "large", False) else "full"
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check, in one call of a lent GPU machine (its lease is minutes: docs/results/gpu.md):
 #
-#     bash benchmarks/gpu_checks.sh [STEP...]   # steps: bandwidth overhead overhead_quick overhead_large
+#     bash benchmarks/gpu_checks.sh [STEP...]   # steps: bandwidth overhead overhead_quick overhead_tiny overhead_large
 #                                               # overhead_m16 overhead_combo profile compile kernel_tests
 #                                               # gpu_tests suite
 #                                               # (default: bandwidth overhead gpu_tests); logs and reports
@@ -53,6 +53,9 @@ for name in "${steps[@]}"; do
     overhead_quick)
         step overhead_quick 300 "$py" -m benchmarks.overhead --device cuda --quick --runs 2
         cp docs/results/overhead_quick_cuda.md "$out/" 2>/dev/null ;;
+    overhead_tiny)  # models whose arithmetic is negligible: what a step costs besides it, launches included
+        step overhead_tiny 300 "$py" -m benchmarks.overhead --device cuda --tiny --runs 2
+        cp docs/results/overhead_tiny_cuda.md "$out/" 2>/dev/null ;;
     overhead_large)  # models whose steps the GPU's arithmetic bounds (benchmarks.overhead --large)
         step overhead_large 420 "$py" -m benchmarks.overhead --device cuda --large --runs 2
         cp docs/results/overhead_large_cuda.md "$out/" 2>/dev/null ;;

@@ -1,7 +1,7 @@
 """Step-time overhead of per-layer gradient scaling, measured side by side in one process.
 
-    python -m benchmarks.overhead [--quick | --large] [--runs N] [--device cuda] [-o FILE]
-                                  # writes docs/results/overhead[_quick|_large][_cuda].md
+    python -m benchmarks.overhead [--tiny | --quick | --large] [--runs N] [--device cuda] [-o FILE]
+                                  # writes docs/results/overhead[_tiny|_quick|_large][_cuda].md
     python -m benchmarks.overhead --inductor combo_kernels=True -o FILE [...]
                                   # every method compiled with an Inductor option (repeatable)
     python -m benchmarks.overhead --measure-every M -o FILE [...]
@@ -16,7 +16,13 @@ Sizes: ``--quick`` (2-3 ms steps on the 2-core CPU), the default (full), and ``-
 only. On a GPU the full models' steps are bound by the host's kernel launches: an H200 runs their
 arithmetic in a fraction of the ~3 ms the host takes to launch it. ``--large`` gives each step
 several times that in GEMMs and convolutions (on the order of 10 ms of an H200's float16 work), which
-is the regime real training runs in.
+is the regime real training runs in. ``--tiny`` shrinks the same architectures until their
+arithmetic is negligible (16 wide, a batch of 2): a step then takes what it costs besides its
+arithmetic, the compiled wrappers' Python, the guards, the scaler's calls (on a GPU, the
+launches), which is part of every step whatever the model's size, and which a ratio of small
+steps mixes with their arithmetic. Its report gives step times in µs.
+
+Every report also gives what each method adds a step over (b), in µs.
 
 Methods, for each model (interleaved rounds, medians):
   (a) autoscale: torch.compile(backend="autoscale") + autoscale.GradScaler (per-layer scales,
@@ -121,7 +127,8 @@ RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_FUSED, "a''/b"), (A_EVERY, "a1/b
 
 
 def mlp(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    width, depth, batch = {"quick": (256, 4, 128), "full": (512, 6, 256), "large": (4096, 8, 8192)}[size]
+    width, depth, batch = {"tiny": (16, 4, 2), "quick": (256, 4, 128), "full": (512, 6, 256),
+                           "large": (4096, 8, 8192)}[size]
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.GELU()]
@@ -129,7 +136,7 @@ def mlp(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def cnn(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    return conv_net(*{"quick": (16, 16, 32), "full": (32, 32, 64), "large": (128, 128, 128)}[size])
+    return conv_net(*{"tiny": (16, 4, 2), "quick": (16, 16, 32), "full": (32, 32, 64), "large": (128, 128, 128)}[size])
 
 
 def conv_net(channels: int, side: int, batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -154,7 +161,8 @@ class _Classifier(nn.Module):
 
 
 def transformer(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    d, heads, seq, batch = {"quick": (64, 4, 32, 8), "full": (128, 4, 64, 16), "large": (2048, 16, 1024, 16)}[size]
+    d, heads, seq, batch = {"tiny": (16, 2, 4, 2), "quick": (64, 4, 32, 8), "full": (128, 4, 64, 16),
+                            "large": (2048, 16, 1024, 16)}[size]
     return _Classifier(d, heads), torch.randn(batch, seq, d), torch.randint(0, 10, (batch,))
 
 
@@ -360,7 +368,10 @@ def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, dev
     labels = list(next(iter(results.values())).steps[0])
     rounds = next(iter(results.values())).rounds
     ratios_of = [(label, column) for label, column in RATIOS if label in labels]
-    ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
+
+    def duration(seconds: float) -> str:  # (a tiny step is a few hundred µs)
+        return f"{seconds * 1e6:.1f} µs" if size == "tiny" else f"{seconds * 1e3:.2f} ms"
+
     columns = " | ".join(column for _, column in ratios_of)
     lines = ["| model | " + " | ".join(labels) + f" | {columns} |", "|---" * (len(labels) + len(ratios_of) + 1) + "|"]
     # per ratio: per run, the models' ratios
@@ -370,18 +381,24 @@ def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, dev
         median = {label: statistics.median(run[label] for run in r.steps) for label in labels}
         ratios = " | ".join(f"{statistics.median(run[label] / run[B] for run in r.steps):.3f}"
                             for label, _ in ratios_of)
-        lines.append(f"| {name} | " + " | ".join(ms(median[k]) for k in labels) + f" | {ratios} |")
+        lines.append(f"| {name} | " + " | ".join(duration(median[k]) for k in labels) + f" | {ratios} |")
     overall = {column: [_geomean(models) for models in per_run] for column, per_run in by_run.items()}
     per_run = "\n".join(
         f"| {i + 1} | " + " | ".join(f"{ratio:.3f}" for ratio in by_run["a/b"][i])
         + " | " + " | ".join(f"{overall[column][i]:.3f}" for _, column in ratios_of) + " |" for i in range(runs))
     names = list(results)
+    added = [label for label in labels if label != B]
+    added_lines = ["| model | " + " | ".join(f"{label.split(' ')[0]} − (b)" for label in added) + " |",
+                   "|---" * (len(added) + 1) + "|"]
+    for name, r in results.items():
+        added_lines.append(f"| {name} | " + " | ".join(
+            f"{statistics.median(run[label] - run[B] for run in r.steps) * 1e6:+.1f} µs" for label in added) + " |")
     phase_lines = ["| model | method | " + " | ".join(PHASES) + " | sum |", "|---" * (len(PHASES) + 3) + "|"]
     for name, r in results.items():
         for label in [label for label in (A, A_UNWATCHED, A_FUSED, A_EVERY, B) if label in r.phases]:
             ph = r.phases[label]
-            phase_lines.append(f"| {name} | {label.split(' ')[0]} | " + " | ".join(ms(ph[p]) for p in PHASES)
-                               + f" | {ms(sum(ph.values()))} |")
+            phase_lines.append(f"| {name} | {label.split(' ')[0]} | " + " | ".join(duration(ph[p]) for p in PHASES)
+                               + f" | {duration(sum(ph.values()))} |")
     read_lines = ["| model | " + " | ".join(f"{label.split(' ')[0]} plain / fused" for label in (A, A_UNWATCHED, B))
                   + " |", "|---|---|---|---|"]
     for name, r in results.items():
@@ -409,7 +426,9 @@ def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, dev
             + f"\n\nGeometric mean over the models, median of the runs: **a/b {a_b:.3f}**, "
             f"{summary} (b'/b: the A/A control).\n\nEvery run (a/b per model, then the geometric means):\n\n| run | "
             + " | ".join(names) + f" | {columns} |\n" + "|---" * (len(names) + len(ratios_of) + 1) + "|\n"
-            + per_run + "\n\nMedian time of each phase of a step (forward includes the loss and `scale()`):\n\n"
+            + per_run + "\n\nWhat each method adds a step over (b) (the median over runs of each run's difference; "
+            "on tiny models, what a step costs besides its arithmetic):\n\n" + "\n".join(added_lines)
+            + "\n\nMedian time of each phase of a step (forward includes the loss and `scale()`):\n\n"
             + "\n".join(phase_lines)
             + "\n\nPage faults a step (the median over the timed windows: pages mapped afresh for the steps' "
             "buffers, see ``benchmarks.heap``):\n\n" + "\n".join(fault_lines)
@@ -419,7 +438,9 @@ def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, dev
 
 def main() -> None:
     parser = step_parser(__doc__, "overhead", "small models (1-3 ms steps; about 2 minutes)",
-                         "models whose steps a GPU's arithmetic bounds, not the host's launches (GPU only)")
+                         "models whose steps a GPU's arithmetic bounds, not the host's launches (GPU only)",
+                         "the same models shrunk until their arithmetic is negligible: what a step costs "
+                         "besides it (µs)")
     parser.add_argument("--runs", type=int, default=4,
                         help="measurement runs, each on fresh copies, made in the reverse order every other run "
                              "(default 4)")

@@ -38,6 +38,31 @@ def test_large_models_give_a_gpu_arithmetic_to_wait_on(name: str) -> None:
     assert large > 1.5e12 and large > 300 * full
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tiny_models_arithmetic_is_negligible(name: str) -> None:
+    """``--tiny`` measures what a step costs besides its arithmetic: the same architecture with at
+    most half a percent of the quick model's arithmetic (a quick step is 1-2 ms) and under a
+    million operations (a few µs of this CPU)."""
+    tiny = _step_flops(name, "tiny")
+    assert 200 * tiny < _step_flops(name, "quick") and tiny < 1e6
+
+
+def test_a_tiny_run_reports_microseconds_and_what_each_method_adds() -> None:
+    """Tiny steps are a few hundred µs: the report gives them in µs, and, for every size, what each
+    method adds a step over (b), the median over runs of each run's difference."""
+    result = overhead.Result(rounds=1)
+    a, a_, b, b_ = overhead.A, overhead.A_UNWATCHED, overhead.B, overhead.B_AGAIN
+    result.steps = [{a: 330e-6, a_: 320e-6, b: 300e-6, b_: 301e-6}, {a: 340e-6, a_: 322e-6, b: 310e-6, b_: 309e-6}]
+    result.phases = {label: dict.fromkeys(overhead.PHASES, 1e-6) for label in (a, a_, b)}
+    result.faults.update({label: [0.0] for label in result.steps[0]})
+    result.reads = {label: (0, 0) for label in (a, a_, b)}
+    text = overhead.report({"MLP": result}, size="tiny", runs=2, steps=5, device="cpu")
+    assert "| MLP | 335.0 µs | 321.0 µs | 305.0 µs | 305.0 µs |" in text
+    added = text[text.index("What each method adds"):].splitlines()
+    assert added[2] == "| model | (a) − (b) | (a') − (b) | (b') − (b) |"
+    assert added[4] == "| MLP | +30.0 µs | +16.0 µs | +0.0 µs |"
+
+
 def test_large_is_refused_on_a_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(sys, "argv", ["overhead", "--large"])
     with pytest.raises(SystemExit):
@@ -47,9 +72,9 @@ def test_large_is_refused_on_a_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pyte
 
 def test_each_size_has_its_own_report() -> None:
     names = {results_path("overhead", size=size, device=device).name  # type: ignore[arg-type]
-             for size in ("quick", "full", "large") for device in ("cpu", "cuda")}
-    assert names == {"overhead.md", "overhead_quick.md", "overhead_large.md",
-                     "overhead_cuda.md", "overhead_quick_cuda.md", "overhead_large_cuda.md"}
+             for size in ("tiny", "quick", "full", "large") for device in ("cpu", "cuda")}
+    assert names == {"overhead.md", "overhead_tiny.md", "overhead_quick.md", "overhead_large.md",
+                     "overhead_cuda.md", "overhead_tiny_cuda.md", "overhead_quick_cuda.md", "overhead_large_cuda.md"}
 
 
 @pytest.mark.parametrize(("argv", "refusal"), [
