@@ -288,11 +288,12 @@ def _boxed(code: Callable[[list[torch.Tensor]], Any]) -> Callable[..., Any]:
     calls go straight to the generated module's ``call`` it wraps (``current_callable``), which
     skips that bookkeeping's checks: 2 µs less an ``update()`` on this CPU (the tiny MLP of
     ``benchmarks.overhead --tiny``: 9.2 → 7.1 µs without forward checks; torch.amp's 6.5 µs)."""
-    target: list[Callable[[list[torch.Tensor]], Any]] = [code]
+    run = code
 
     def call(*tensors: torch.Tensor) -> None:
-        target[0](list(tensors))
-        target[0] = getattr(code, "current_callable", None) or code
+        nonlocal run
+        run(list(tensors))
+        run = getattr(code, "current_callable", None) or code
 
     return call
 
