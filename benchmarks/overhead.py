@@ -9,6 +9,11 @@
                                   # (ScalingConfig.measure_every); each round then times a whole
                                   # number of M-step periods, so that every timed window holds
                                   # its share of measured steps; (a1) is (a) measuring every step
+    python -m benchmarks.overhead --measure-every 0 -o FILE [...]
+                                  # the floor: (a) and (a') measure their first step only, and
+                                  # every step timed runs the graph whose points only multiply and
+                                  # check, without forward checks: what per-layer scaling's
+                                  # structure costs a step, measuring nothing; (a1) as above
     python -m benchmarks.overhead --system-heap -o FILE [...]
                                   # glibc's heap as it is, returning freed memory to the system
 
@@ -124,6 +129,9 @@ HEAPS = {HEAP_KEPT: "the C heap keeping what the steps free (`benchmarks.heap`)"
 """Which C heap the steps allocated from, as the report's machine line says it."""
 RATIOS = ((A, "a/b"), (A_UNWATCHED, "a'/b"), (A_FUSED, "a''/b"), (A_EVERY, "a1/b"), (B_AGAIN, "b'/b"))
 """(method, column): the ratios of each method's step over (b)'s."""
+FLOOR = 2**62
+"""``ScalingConfig.measure_every`` for ``--measure-every 0``: no step after the first measures (but
+one after a skipped step, which these steps do not have)."""
 
 
 def mlp(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -239,14 +247,14 @@ def _methods(model: nn.Module, device: str, *, references: bool = True, reverse:
     order the copies were made: the docstring's, or its reverse with ``reverse``. ``references``:
     with the float32 ones, (c) and (d), which are no part of a/b (``--large`` leaves them out: in
     float32 its steps take ten times as long). ``measure_every``: autoscale's
-    ``ScalingConfig.measure_every`` for (a) and (a'); other than 1, (a1) in place of (a''), (c)
-    and (d)."""
+    ``ScalingConfig.measure_every`` for (a) and (a'), 0 for ``FLOOR``; other than 1, (a1) in place
+    of (a''), (c) and (d)."""
 
     def autoscale_on(config: autoscale.Config | None) -> Callable[[nn.Module], _Method]:
         scaling = None
         if measure_every != 1:
             config = config or autoscale.Config()
-            scaling = dataclasses.replace(config.scaling, measure_every=measure_every)
+            scaling = dataclasses.replace(config.scaling, measure_every=measure_every or FLOOR)
             config = dataclasses.replace(config, scaling=scaling)
         backend = "autoscale" if config is None else autoscale.backend(config)
         return lambda m: _Method(torch.compile(m, backend=backend),
@@ -288,7 +296,7 @@ def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: s
     """``name``'s step times, phases and host reads, in ``runs`` runs of at least ``rounds`` rounds
     (as many more as make whole ``balanced_orders`` designs), each run on fresh copies made in the
     reverse order every other run; ``inductor``: Inductor options every method compiles under
-    (``--inductor``); ``measure_every``: autoscale's ``ScalingConfig.measure_every``."""
+    (``--inductor``); ``measure_every``: autoscale's ``ScalingConfig.measure_every`` (0: ``FLOOR``)."""
     torch.manual_seed(0)
     model, x, y = MODELS[name](size)
     x, y = x.to(device), y.to(device)
@@ -330,6 +338,12 @@ def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: s
         method = methods[label]
         result.reads[label] = (method.host_reads(x, y, fused=False), method.host_reads(x, y, fused=True))
     return result
+
+
+def steps_per_round(measure_every: int) -> int:
+    """How many steps each round times: at least 5, and a whole number of ``measure_every``-step
+    periods, so that every timed window holds its share of measured steps (0, the floor: 5)."""
+    return measure_every * -(-5 // measure_every) if measure_every else 5
 
 
 def progress(name: str, result: Result) -> str:
@@ -413,7 +427,10 @@ def report(results: dict[str, Result], *, size: Size, runs: int, steps: int, dev
     machine += f", {HEAPS[heap]}"
     if inductor:
         machine += ", every method compiled with Inductor's " + ", ".join(f"{k}={v!r}" for k, v in inductor.items())
-    if measure_every != 1:
+    if measure_every == 0:
+        machine += (", (a) and (a') measuring their gradients at their first step only (`--measure-every 0`: every "
+                    "step timed runs the graph whose points only multiply and check), (a1) every step")
+    elif measure_every != 1:
         machine += (f", (a) and (a') measuring their gradients every {measure_every} steps (`measure_every`), "
                     "(a1) every step")
     a_b = statistics.median(overall["a/b"])
@@ -445,8 +462,9 @@ def main() -> None:
                         help="measurement runs, each on fresh copies, made in the reverse order every other run "
                              "(default 4)")
     parser.add_argument("--measure-every", type=int, default=1, metavar="M",
-                        help="autoscale's ScalingConfig.measure_every for (a) and (a'), and (a1): (a) measuring "
-                             "every step, in place of (a''), (c) and (d); needs -o")
+                        help="autoscale's ScalingConfig.measure_every for (a) and (a'), 0 for their first step "
+                             "only (the floor), and (a1): (a) measuring every step, in place of (a''), (c) and (d); "
+                             "needs -o")
     parser.add_argument("--system-heap", action="store_true",
                         help="leave glibc's heap as it is, returning freed memory to the system (the steps' "
                              "buffers then fault their pages in afresh: benchmarks.heap); needs -o")
@@ -461,12 +479,13 @@ def main() -> None:
     if inductor and args.output is None:
         parser.error("--inductor changes what is measured: name its report with -o, not the default one")
     every = args.measure_every
-    if every < 1 or (every != 1 and args.output is None):
-        parser.error("--measure-every takes M >= 1, and M > 1 changes what is measured: name its report with -o")
+    if every < 0 or (every != 1 and args.output is None):
+        parser.error("--measure-every takes M >= 0, and M other than 1 changes what is measured: name its report "
+                     "with -o")
     if args.system_heap and args.output is None:
         parser.error("--system-heap changes what is measured: name its report with -o")
     heap = HEAP_SYSTEM if args.system_heap else HEAP_KEPT if retain_freed_memory() else HEAP_NOT_GLIBC
-    rounds, steps = 15, every * -(-5 // every)  # (a whole number of periods, at least 5 steps)
+    rounds, steps = 15, steps_per_round(every)
     results: dict[str, Result] = {}
     for name in MODELS:
         results[name] = measure(name, size, args.runs, rounds, steps, args.device, inductor, every)

@@ -81,7 +81,8 @@ def test_each_size_has_its_own_report() -> None:
     (["--inductor", "no_such_option=1", "-o", "x.md"], "an option of torch._inductor.config"),
     (["--inductor", "combo_kernels"], "KEY=VALUE"),
     (["--inductor", "combo_kernels=True"], "name its report with -o"),
-    (["--measure-every", "0", "-o", "x.md"], "M >= 1"),
+    (["--measure-every", "-1", "-o", "x.md"], "M >= 0"),
+    (["--measure-every", "0"], "name its report with -o"),
     (["--measure-every", "16"], "name its report with -o"),
     (["--system-heap"], "name its report with -o"),
 ])
@@ -104,6 +105,35 @@ def test_measure_every_reaches_autoscales_scalers_alone() -> None:
     assert not {overhead.C, overhead.D} & set(methods)  # (no part of what the option is measured against)
     assert overhead.A_EVERY not in overhead._methods(model, "cpu", references=False)
     assert isinstance(methods[overhead.B].scaler, torch.amp.GradScaler)
+
+
+def test_measure_every_0_measures_the_first_step_alone() -> None:
+    """``--measure-every 0``, the floor: (a) and (a') measure their first step and no other, so that
+    every timed step runs the graph whose points only multiply and check; the report says so."""
+    model, x, y = MODELS["MLP"]("tiny")
+    methods = overhead._methods(model, "cpu", measure_every=0)
+    scalers = {label: m.scaler for label, m in methods.items() if isinstance(m.scaler, autoscale.GradScaler)}
+    assert {label: s.config.measure_every for label, s in scalers.items()} == {
+        overhead.A: overhead.FLOOR, overhead.A_UNWATCHED: overhead.FLOOR, overhead.A_EVERY: 1}
+    floor = methods[overhead.A]
+    measured = []
+    for _ in range(4):
+        measured.append(floor.scaler._state.measuring)
+        floor.step(x, y)
+    assert measured == [True, False, False, False]
+    result = overhead.Result(rounds=1)
+    result.steps = [{overhead.A: 2.0, overhead.A_UNWATCHED: 2.0, overhead.B: 1.0, overhead.B_AGAIN: 1.0,
+                     overhead.A_EVERY: 2.5}]
+    result.phases = {label: dict.fromkeys(overhead.PHASES, 1e-3) for label in result.steps[0]}
+    result.faults.update({label: [0.0] for label in result.steps[0]})
+    result.reads = {label: (0, 0) for label in (overhead.A, overhead.A_UNWATCHED, overhead.B)}
+    text = overhead.report({"MLP": result}, size="quick", runs=1, steps=5, device="cpu", measure_every=0)
+    assert "measuring their gradients at their first step only" in text
+
+
+@pytest.mark.parametrize(("every", "steps"), [(1, 5), (2, 6), (16, 16), (0, 5)])
+def test_each_round_times_whole_periods_of_at_least_5_steps(every: int, steps: int) -> None:
+    assert overhead.steps_per_round(every) == steps
 
 
 def test_every_method_compiles_under_the_inductor_options(monkeypatch: pytest.MonkeyPatch) -> None:
