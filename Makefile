@@ -2,17 +2,22 @@
 # Both create .venv when missing and install torch==2.13.0 first: a looser spec would pull
 # gigabytes of CUDA packages, while the pinned version picks up the local CPU build.
 
+# The extras come from the pins the suite last passed with (constraints.txt), so that a fresh
+# machine gets what CI passed with; `make test-latest` runs the suite on the newest releases instead.
+
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoscale-installed
+EXTRAS := .[test,bench,dev,zoo,lightning,huggingface]
+LATEST := .venv-latest
 
-.PHONY: demo test lint clean chromium bench-numerics bench-zoo
+.PHONY: demo test test-latest pins lint clean chromium bench-numerics bench-zoo
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,bench,dev,zoo,lightning,huggingface]"
+	$(PY) -m pip install --quiet -c constraints.txt -e "$(EXTRAS)"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -32,6 +37,19 @@ chromium:
 test: $(STAMP) chromium
 	$(PY) -m pytest -m "not slow" -q
 
+# The suite on the newest releases of every dependency but torch, in a venv of its own; then
+# `make pins` writes them to constraints.txt, for a change that moves the pins forward.
+test-latest: chromium
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet torch==2.13.0
+	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e "$(EXTRAS)"
+	$(LATEST)/bin/python -m pytest -m "not slow" -q
+
+pins:
+	{ sed -n '/^#/p' constraints.txt; $(LATEST)/bin/python -m pip freeze --exclude-editable | \
+	  grep -v '^-e\|^autoscale\|^#' | sed 's/^torch==\([0-9.]*\)+.*/torch==\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+
 # The numerics benchmark (about an hour on 2 cores; --quick: under 3 minutes): docs/results/numerics.md.
 bench-numerics: $(STAMP)
 	$(PY) -m benchmarks.numerics
@@ -45,4 +63,4 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -40,6 +40,7 @@ __all__ = [
     "is_attach",
     "is_inplace",
     "layer_of",
+    "module_entry",
     "mutated_aliases",
     "new_constant",
     "new_fake_call",
@@ -240,17 +241,42 @@ _WRAPPED = re.compile(r"\.(?:forward\.args\[0\]|_orig_mod)(?=\.|$)")
 _INDEX = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
 
 
-def layer_of(node: Node) -> str:
-    """The module path (``layers.0.fc``) that ``node`` belongs to, or "" at the model's top level.
+# Where a module stack entry's path starts: its root and, for a module that is a positional
+# argument (``L['args'][0]``: the announcing forward's), the argument's index.
+_SOURCE = re.compile(DYNAMO_ROOT.pattern + r"(?:\[\d+\])?")
+
+
+def module_entry(node: Node) -> tuple[str, Any] | None:
+    """The innermost module of the model that ``node`` runs in, as Dynamo's module stack gives it:
+    ``(dynamo_path, module_class)``, or None outside any module.
 
     Forward nodes carry Dynamo's ``nn_module_stack``; backward nodes of AOTAutograd's joint graph
-    carry ``fwd_nn_module_stack``.
+    carry ``fwd_nn_module_stack``. The model's modules are those reached from the root the
+    outermost entry is reached from. A module the model calls but does not hold is reached from
+    elsewhere and is passed over: its ops belong to the module that called it. transformers 5.25
+    made such modules of functions (``apply_rotary_pos_emb`` is an ``nn.Module`` instance held by
+    the modeling file, ``G['__import_transformers...'].apply_rotary_pos_emb``); read as a path,
+    it named no layer of the model, and its ops fell to the model's top level.
     """
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
-        return ""
-    path, _ = next(reversed(stack.values()))
-    return _module_path(str(path))
+        return None
+    entries = [(str(path), rest[0] if rest else None) for path, *rest in stack.values()]
+    root = _source_of(entries[0][0])
+    return next((path, cls) for path, cls in reversed(entries) if _source_of(path) == root)
+
+
+def layer_of(node: Node) -> str:
+    """The module path (``layers.0.fc``) that ``node`` belongs to (``module_entry``), or "" at the
+    model's top level."""
+    entry = module_entry(node)
+    return _module_path(entry[0]) if entry is not None else ""
+
+
+@lru_cache(maxsize=4096)
+def _source_of(dynamo_path: str) -> str:
+    match = _SOURCE.match(dynamo_path)
+    return match.group(0) if match else ""
 
 
 @lru_cache(maxsize=4096)

@@ -18,7 +18,7 @@ from torch.fx import Node
 
 from autoscale.diff.capture import CapturedGraph
 from autoscale.diff.model import LayerRow, OverflowDecision, ScaleInfo
-from autoscale.passes.graph_utils import PROVENANCE_KEY, layer_of, tensor_val
+from autoscale.passes.graph_utils import PROVENANCE_KEY, layer_of, module_entry, tensor_val
 from autoscale.report import LayerSummary
 
 __all__ = ["layer_rows", "worst_underflow"]
@@ -96,8 +96,7 @@ def _painted(n: Node) -> str | None:
 def _module_class(nodes: list[Node]) -> str:
     """The class name of the innermost module of the layer's ops (Dynamo's ``nn_module_stack``)."""
     for n in nodes:
-        stack = n.meta.get("nn_module_stack")
-        if stack:
-            _, cls = next(reversed(stack.values()))
+        if n.meta.get("nn_module_stack") and (entry := module_entry(n)) is not None:
+            _, cls = entry
             return cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
     return ""

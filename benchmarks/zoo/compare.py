@@ -67,6 +67,7 @@ class ZooResult:
     compile_s: float = math.nan
     step_ms: dict[str, float] = field(default_factory=dict)  # method -> median step time after the first
     error: str = ""  # what stopped autoscale's run, if anything
+    missing: list[str] = field(default_factory=list)  # parameters float32 gives a gradient and autoscale none
 
     def gap(self, method: str) -> float:
         """max over steps |loss - float32's| / float32's first loss (inf if any loss is not finite)."""
@@ -91,7 +92,7 @@ class ZooResult:
 
     @property
     def ok(self) -> bool:
-        return not self.error and self.extra_graphs <= 0 and self.loss_ok and self.sqnr_ok
+        return not self.error and not self.missing and self.extra_graphs <= 0 and self.loss_ok and self.sqnr_ok
 
 
 def sqnr_db(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor | None]) -> float:
@@ -227,7 +228,9 @@ def _autoscale(model: nn.Module, batch: Batch, steps: int, ref: dict[str, torch.
             scaler.scale(loss).backward()
             if step == 0:
                 scaler.unscale_(opt)
-                result.sqnr["autoscale"] = sqnr_db(ref, _grads(model))
+                grads = _grads(model)
+                result.sqnr["autoscale"] = sqnr_db(ref, grads)
+                result.missing = sorted(name for name in ref if grads.get(name) is None)
                 first = len(backend.records)
                 result.graphs = sum(r.report.total > 0 for r in backend.records)
             scaler.step(opt)

@@ -140,14 +140,20 @@ def gpt2(seed: int) -> tuple[nn.Module, Batch]:
     return _made(seed, lambda: T.GPT2LMHeadModel(cfg), _causal_lm(seed))
 
 
-def _llama_like(cls: str, config: str) -> Callable[[int], tuple[nn.Module, Batch]]:
+def _llama_like(cls: str, config: str, *, kv_heads: int = 2, tied: bool = False, attention: str = "sdpa"
+                ) -> Callable[[int], tuple[nn.Module, Batch]]:
+    """A Llama-style decoder: ``kv_heads`` key-value heads (grouped-query attention; 1: multi-query),
+    embeddings tied to the LM head or not, and transformers' ``attention`` implementation."""
     def build(seed: int) -> tuple[nn.Module, Batch]:
         import transformers as T
 
         cfg = getattr(T, config)(num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=FFN,
-                                 num_attention_heads=HEADS, num_key_value_heads=2, vocab_size=VOCAB,
-                                 max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-        return _made(seed, lambda: getattr(T, cls)(cfg), _causal_lm(seed))
+                                 num_attention_heads=HEADS, num_key_value_heads=kv_heads, vocab_size=VOCAB,
+                                 max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                 tie_word_embeddings=tied)
+        model, batch = _made(seed, lambda: getattr(T, cls)(cfg), _causal_lm(seed))
+        model.set_attn_implementation(attention)
+        return model, batch
 
     return build
 
@@ -221,6 +227,10 @@ def _entries() -> list[ZooModel]:
         m("gpt2", "decoder LM", "GPT-2: tied embeddings, Conv1D projections", gpt2),
         m("llama", "decoder LM", "Llama: RMSNorm, rotary, SwiGLU, grouped-query attention",
           _llama_like("LlamaForCausalLM", "LlamaConfig")),
+        m("llama_mqa", "decoder LM", "Llama with multi-query attention (one key-value head), tied embeddings",
+          _llama_like("LlamaForCausalLM", "LlamaConfig", kv_heads=1, tied=True)),
+        m("llama_eager", "decoder LM", "Llama, grouped-query attention written out (attn_implementation='eager')",
+          _llama_like("LlamaForCausalLM", "LlamaConfig", attention="eager")),
         m("mistral", "decoder LM", "Mistral: Llama-style with sliding-window attention",
           _llama_like("MistralForCausalLM", "MistralConfig")),
         m("qwen2", "decoder LM", "Qwen2: Llama-style with biased QKV projections",
