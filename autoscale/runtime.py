@@ -185,6 +185,7 @@ _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # scales tensor -> its Sca
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref to its model's ScaleState
 _COPIES: weakref.WeakSet[ScaleState] = weakref.WeakSet()  # states of copied models, not registered yet
 _INSTANCES = itertools.count()
+_FRAMES = itertools.count()
 
 
 def _new_instance() -> str:
@@ -281,18 +282,23 @@ def announce_in_forward(model: nn.Module, announce: Callable[[nn.Module], None])
     runs its own forward (a closure would silently run the original's). And Dynamo's first frame is
     ``_announced``, with ``root`` a local: the graph's inputs are named after it (``l_root_...``).
 
-    Each model's ``_announced`` has a code object of its own (``_recoded``), and Dynamo starts from
+    Each model's ``_announced`` has a code object of its own (``_frame``), and Dynamo starts from
     it: Dynamo keeps a frame's compiled graphs on its code object and stops compiling a frame at
     ``torch._dynamo.config.recompile_limit`` graphs (8). Every model recompiles (its state is its
     own: ``ScaleState.instance``), so through one shared frame the ninth model trained with a
-    scaler in a process (a sweep, a notebook cell run again) silently ran eagerly, unscaled.
+    scaler in a process (a sweep, a notebook cell run again) silently ran eagerly, unscaled. The
+    code object has a name of its own too: Dynamo keeps what it learnt of a frame's input shapes
+    (automatic dynamic shapes) by file, line and name, so through one shared name each model's
+    first compile was made dynamic by the shapes the models before it were called with (a CNN
+    after another at another image size: a symbolic image size), where ``torch.compile`` of each
+    model, starting from its own class's forward, compiles static shapes.
     ``torch.compile`` of a ``torch.nn`` module (an ``nn.Sequential``) starts Dynamo from a frame
     of its own that every such model shares, chosen when it wrapped the model: a wrapper in
     ``model``'s chain is made to choose again (``_rewrap``), now that the forward is autoscale's."""
     root = unwrap(model)
     inner = root.__dict__.get("forward")  # a forward set on the instance, or None for its class's
     wrapped = inner if inner is not None else root.forward
-    forward = functools.partial(_recoded(cast(types.FunctionType, _announced)), root, announce, inner)
+    forward = functools.partial(_frame(cast(types.FunctionType, _announced)), root, announce, inner)
     functools.update_wrapper(forward, wrapped)
     del forward.__wrapped__  # type: ignore[attr-defined]  # (a bound method of the original: a copy would keep it)
     forward.__signature__ = inspect.signature(wrapped)  # type: ignore[attr-defined]  # (Trainers read it)
@@ -309,7 +315,7 @@ def _fresh_frames(root: nn.Module, memo: dict[int, Any]) -> None:
     (``announce_in_forward``)."""
     forward = root.__dict__.get("forward")
     while isinstance(forward, functools.partial) and _is_announced(forward.func):
-        memo.setdefault(id(forward.func), _recoded(cast(types.FunctionType, forward.func)))
+        memo.setdefault(id(forward.func), _frame(cast(types.FunctionType, forward.func)))
         forward = forward.args[2]  # (``inner``: an announcement made before, or None)
 
 
@@ -359,9 +365,15 @@ def recoded_forward(module: nn.Module) -> Callable[..., Any]:
     return _recoded(fn) if bound_to is None else types.MethodType(_recoded(fn), bound_to)
 
 
-def _recoded(fn: types.FunctionType) -> types.FunctionType:
-    """``fn`` with a new (equal) code object."""
-    recoded = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+def _frame(announced: types.FunctionType) -> types.FunctionType:
+    """``_announced`` as one model's frame: a code object of its own, named ``_announced_<n>``."""
+    return _recoded(announced, name=f"{_announced.__name__}_{next(_FRAMES)}")
+
+
+def _recoded(fn: types.FunctionType, *, name: str | None = None) -> types.FunctionType:
+    """``fn`` with a new code object, equal to its own but for the code's ``name`` if given."""
+    code = fn.__code__.replace() if name is None else fn.__code__.replace(co_name=name)
+    recoded = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     recoded.__kwdefaults__ = fn.__kwdefaults__
     recoded.__qualname__ = fn.__qualname__
     recoded.__dict__.update(fn.__dict__)  # functools.wraps' attributes and the like

@@ -41,6 +41,11 @@ def capture(fn: Callable[..., Any], *inputs: Any) -> list[tuple[GraphModule, lis
     return graphs
 
 
+def symbolic(gm: GraphModule) -> bool:
+    """Whether Dynamo traced ``gm`` with symbolic shapes (a size among its inputs)."""
+    return any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes if n.op == "placeholder")
+
+
 def rewrite(fn: Callable[..., Any], *inputs: Any, config: Config | None = None,
             pipeline: Sequence[PassSpec] = PIPELINE) -> GraphModule:
     """The single Dynamo graph of ``fn(*inputs)`` after the pipeline's Dynamo stage (verified:

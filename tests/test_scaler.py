@@ -23,7 +23,7 @@ from autoscale.scaler import _OWN_TENSORS
 from autoscale.update import UpdateTensors, adaptive_update
 from benchmarks.host_reads import HostReads
 from benchmarks.stress_underflow import best_global_scale, run, table
-from tests.helpers import Comparison, assert_matches_fp32, keeps_roundings, step
+from tests.helpers import Comparison, assert_matches_fp32, keeps_roundings, step, symbolic
 from tests.models import conv_case, mlp_case, mobilenet_case
 
 EAGER = autoscale.Config(executor="eager", verify=True)
@@ -775,6 +775,30 @@ def test_more_copies_of_a_scaled_model_than_dynamos_recompile_limit_each_get_a_g
             scaler = GradScaler(m)
             backend = autoscale.backend()
             _assert_trains_with_a_graph_of_its_own(m, scaler, torch.compile(m, backend=backend), backend, x, y)
+
+
+def test_a_model_compiles_static_shapes_after_models_called_with_others() -> None:
+    """Models trained one after another in a process, each called with a batch size of its own
+    (an evaluation harness, a sweep): each compiles its first graph for static shapes, as
+    ``torch.compile`` does. Dynamo keeps what it learnt of a frame's input shapes by the frame's
+    file, line and name, and every model's forward was ``_announced``: each model after the first
+    compiled with a symbolic batch size, which the shapes of the models before it had made dynamic
+    (a ConvNeXt so reached an Inductor lowering that fails under symbolic shapes)."""
+    torch._dynamo.reset()
+    shapes = []
+
+    def spy(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        shapes.append("symbolic" if symbolic(gm) else "static")
+        return backend(gm, example_inputs)
+
+    for seed, batch in enumerate((8, 4, 6)):
+        model, (x,), y = mlp_case(seed)
+        backend = autoscale.backend()
+        scaler = GradScaler(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = torch.compile(model, backend=spy)
+        assert _train_steps(model, scaler, opt, compiled, x[:batch], y[:batch], 2) == [False, False]
+    assert shapes == ["static"] * 3
 
 
 def _assert_trains_with_a_graph_of_its_own(model: nn.Module, scaler: GradScaler, compiled: nn.Module,

@@ -38,7 +38,8 @@ from torch import nn
 import autoscale
 from benchmarks.zoo.models import Batch, ZooModel
 
-__all__ = ["LOSS_GAP_TARGET", "SQNR_SLACK_DB", "ZooResult", "compare", "sqnr_db"]
+__all__ = ["LOSS_GAP_TARGET", "SQNR_SLACK_DB", "ZooResult", "amp_sqnr", "compare", "float32_grads", "grads",
+           "sqnr_db"]
 
 LR = 1e-3
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -113,9 +114,17 @@ def sqnr_db(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor | None]) -
     return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
-def _grads(model: nn.Module, divide: float = 1.0) -> dict[str, torch.Tensor | None]:
+def grads(model: nn.Module, divide: float = 1.0) -> dict[str, torch.Tensor | None]:
+    """Every trainable parameter's gradient, in float32 and divided by ``divide``; None if it has none."""
     return {n: (p.grad.detach().float() / divide if p.grad is not None else None)
             for n, p in model.named_parameters() if p.requires_grad}
+
+
+def float32_grads(model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+    """The gradients eager float32 gives a copy of ``model`` on ``batch``: the reference."""
+    probe = copy.deepcopy(model)
+    _loss(probe, batch).backward()
+    return {n: g for n, g in grads(probe).items() if g is not None}
 
 
 def _loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -132,7 +141,7 @@ def _float32(model: nn.Module, batch: Batch, steps: int, result: ZooResult) -> d
         loss = _loss(model, batch)
         loss.backward()
         if step == 0:
-            first = {n: g for n, g in _grads(model).items() if g is not None}
+            first = {n: g for n, g in grads(model).items() if g is not None}
         opt.step()
         times.append(time.perf_counter() - start)
         result.losses.setdefault("float32", []).append(float(loss.detach()))
@@ -140,19 +149,20 @@ def _float32(model: nn.Module, batch: Batch, steps: int, result: ZooResult) -> d
     return first
 
 
-def _amp_first_step_sqnr(model: nn.Module, batch: Batch, ref: dict[str, torch.Tensor], result: ZooResult) -> None:
-    """torch.amp's first-step gradients at the largest loss scale that does not overflow."""
+def amp_sqnr(model: nn.Module, batch: Batch, ref: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """The SQNR of torch.amp's gradients of a copy of ``model`` on ``batch`` against ``ref``, and the
+    loss scale: the largest from 2^16 down at which none overflows (nan, nan if none)."""
     scale = 2.0**16
     while scale >= 1.0:
         probe = copy.deepcopy(model)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = _loss(probe, batch)
         (loss.float() * scale).backward()
-        grads = _grads(probe, scale)
-        if all(g is None or bool(torch.isfinite(g).all()) for g in grads.values()):
-            result.sqnr["torch.amp"], result.amp_sqnr_scale = sqnr_db(ref, grads), scale
-            return
+        got = grads(probe, scale)
+        if all(g is None or bool(torch.isfinite(g).all()) for g in got.values()):
+            return sqnr_db(ref, got), scale
         scale /= 2
+    return math.nan, math.nan
 
 
 def _amp(model: nn.Module, batch: Batch, steps: int, ref: dict[str, torch.Tensor], result: ZooResult) -> None:
@@ -168,9 +178,9 @@ def _amp(model: nn.Module, batch: Batch, steps: int, ref: dict[str, torch.Tensor
         amp.scale(loss).backward()
         if step == 0:
             amp.unscale_(opt)
-            grads = _grads(model)
-            if all(g is None or bool(torch.isfinite(g).all()) for g in grads.values()):
-                result.sqnr["torch.amp"], result.amp_sqnr_scale = sqnr_db(ref, grads), amp.get_scale()
+            got = grads(model)
+            if all(g is None or bool(torch.isfinite(g).all()) for g in got.values()):
+                result.sqnr["torch.amp"], result.amp_sqnr_scale = sqnr_db(ref, got), amp.get_scale()
         before = amp.get_scale()
         amp.step(opt)
         amp.update()
@@ -180,7 +190,9 @@ def _amp(model: nn.Module, batch: Batch, steps: int, ref: dict[str, torch.Tensor
     result.skipped["torch.amp"] = skipped
     result.step_ms["torch.amp"] = 1e3 * statistics.median(times[1:] or times)
     if "torch.amp" not in result.sqnr:
-        _amp_first_step_sqnr(initial, batch, ref, result)
+        sqnr, result.amp_sqnr_scale = amp_sqnr(initial, batch, ref)
+        if not math.isnan(sqnr):
+            result.sqnr["torch.amp"] = sqnr
 
 
 def _has_float_ops(gm: torch.fx.GraphModule) -> bool:
@@ -209,7 +221,7 @@ def _inductor_float32(model: nn.Module, batch: Batch, ref: dict[str, torch.Tenso
     executor alone changes (autoscale's Inductor runs are measured against eager float32 too)."""
     torch._dynamo.reset()
     _loss(torch.compile(model, backend="inductor"), batch).backward()
-    result.sqnr["inductor float32"] = sqnr_db(ref, _grads(model))
+    result.sqnr["inductor float32"] = sqnr_db(ref, grads(model))
 
 
 def _autoscale(model: nn.Module, batch: Batch, steps: int, ref: dict[str, torch.Tensor], executor: str,
@@ -228,9 +240,9 @@ def _autoscale(model: nn.Module, batch: Batch, steps: int, ref: dict[str, torch.
             scaler.scale(loss).backward()
             if step == 0:
                 scaler.unscale_(opt)
-                grads = _grads(model)
-                result.sqnr["autoscale"] = sqnr_db(ref, grads)
-                result.missing = sorted(name for name in ref if grads.get(name) is None)
+                got = grads(model)
+                result.sqnr["autoscale"] = sqnr_db(ref, got)
+                result.missing = sorted(name for name in ref if got.get(name) is None)
                 first = len(backend.records)
                 result.graphs = sum(r.report.total > 0 for r in backend.records)
             scaler.step(opt)

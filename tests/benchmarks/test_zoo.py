@@ -17,8 +17,18 @@ import autoscale
 pytest.importorskip("transformers", reason="the zoo's models come from transformers: pip install -e '.[zoo]'")
 
 from benchmarks.zoo.__main__ import QUICK, markdown  # noqa: E402
-from benchmarks.zoo.compare import LOSS_GAP_TARGET, SQNR_SLACK_DB, ZooResult, compare, sqnr_db  # noqa: E402
-from benchmarks.zoo.models import FAMILIES, MODELS  # noqa: E402
+from benchmarks.zoo.compare import (  # noqa: E402
+    LOSS_GAP_TARGET,
+    SQNR_SLACK_DB,
+    ZooResult,
+    amp_sqnr,
+    compare,
+    float32_grads,
+    grads,
+    sqnr_db,
+)
+from benchmarks.zoo.models import FAMILIES, MODELS, Batch, _images  # noqa: E402
+from tests.helpers import symbolic  # noqa: E402
 
 
 def test_the_zoo_spans_twelve_models_and_four_families() -> None:
@@ -75,6 +85,52 @@ def test_first_step_gradients_are_as_accurate_as_torch_amp(name: str) -> None:
     assert r.skipped["autoscale"] == 0
     assert not r.missing, r.missing
     assert r.sqnr["autoscale"] >= r.sqnr["torch.amp"] - SQNR_SLACK_DB, r.sqnr
+
+
+def _smaller(name: str, batch: Batch) -> Batch:
+    """``batch`` at other shapes: half the batch and three quarters of the sequence, or of the image."""
+    if "pixel_values" in batch:
+        images = _images(1, size=batch["pixel_values"].shape[-1] * 3 // 4)
+        return {k: v[: len(v) // 2] for k, v in images.items()}
+    half, length = len(batch["input_ids"]) // 2, batch["input_ids"].shape[1] * 3 // 4
+    return {k: v[:half, :length] if v.dim() == 2 else v[:half] for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+def test_a_new_shape_compiles_symbolic_and_its_step_is_as_accurate_as_torch_amp(name: str) -> None:
+    """One model called at new shapes (a language model's batch size and sequence length, a CNN's
+    batch size and image size): Dynamo's second compile has symbolic shapes, and every pass runs on
+    it. That step is not skipped and its gradients are as close to float32's as torch.amp's, from
+    the same weights on the same batch (SQNR, 1 dB slack)."""
+    model, batch = MODELS[name].build(0)
+    other = _smaller(name, batch)
+    torch._dynamo.reset()
+    inner = autoscale.backend(autoscale.Config(executor="eager"))
+    shapes = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        shapes.append("symbolic" if symbolic(gm) else "static")
+        return inner(gm, example_inputs)
+
+    scaler = autoscale.GradScaler(model)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiles = []
+    for step_batch in (batch, other):
+        shapes.clear()
+        opt.zero_grad(set_to_none=True)
+        ref = float32_grads(model, step_batch)
+        amp, _ = amp_sqnr(model, step_batch, ref)
+        scaler.scale(compiled(**step_batch).loss).backward()
+        scaler.unscale_(opt)
+        got = grads(model)
+        assert not [n for n in ref if got.get(n) is None]
+        assert sqnr_db(ref, got) >= amp - SQNR_SLACK_DB, (shapes, sqnr_db(ref, got), amp)
+        scaler.step(opt)
+        scaler.update()
+        compiles.append(set(shapes))
+    assert compiles[0] == {"static"} and "symbolic" in compiles[1]  # (GPT-2: 3 graphs, one without sizes)
+    assert scaler.skipped_steps == 0
 
 
 def test_new_sequence_lengths_recompile_once_and_eager_attention_trains() -> None:

@@ -13,22 +13,20 @@ weights, optimizer state, per-layer scales (and promotions) and the steps its sc
 
 from __future__ import annotations
 
-import faulthandler
 import gc
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import autoscale
 from benchmarks.reliability import KINDS, LAYERS, WIDTH, Net
+from tests.reliability.ranks import join_group, leave, spawn
 
-WORLD, BATCH = 2, 32
+BATCH = 32
 # step -> (layer, mode): modes 1..4 are benchmarks.reliability.KINDS
 INJECTED = {3: (1, 1), 7: (3, 2), 8: (0, 3), 12: (2, 4)}
 assert all(0 <= layer < LAYERS and 1 <= mode <= len(KINDS) for layer, mode in INJECTED.values())
@@ -42,19 +40,16 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _worker(rank: int, steps: int, out: Path) -> None:
-    # a rank stuck in a collective prints where, before the test's own timeout kills it silently
-    faulthandler.dump_traceback_later(240, exit=True)
-    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
+    join_group(rank, out)
     try:
         _train(rank, steps, out)
-        # DDP's reducer holds the process group: free it while the group is alive, and let both ranks
-        # finish before either tears the group down. (Once in a full run a rank hung here for 240 s
-        # after its worker function had returned: faulthandler showed no frame below spawn's wrapper,
-        # i.e. in a destructor. Not reproduced since; this ordering is the mitigation.)
+        # DDP's reducer holds the process group: free it while the group is alive, and let both
+        # ranks finish before either tears the group down
         gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave()  # (a rank once hung in a destructor after its work was done: ranks.py)
 
 
 def _train(rank: int, steps: int, out: Path) -> None:
@@ -89,8 +84,7 @@ def _train(rank: int, steps: int, out: Path) -> None:
 def main(argv: list[str]) -> None:
     steps, out = int(argv[0]), Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(steps, out), nprocs=WORLD, join=True)
+    spawn(_worker, (steps, out))
 
 
 if __name__ == "__main__":

@@ -16,17 +16,13 @@ batches together, for comparison.
 
 from __future__ import annotations
 
-import faulthandler
-import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -41,11 +37,11 @@ from torch.distributed.fsdp import fully_shard
 
 import autoscale
 from autoscale.config import ScalingConfig
+from tests.reliability.ranks import WORLD, join_group, leave, spawn
 
-WORLD, BATCH, WIDTH, CLASSES, HIDDEN = 2, 16, 16, 4, 3
+BATCH, WIDTH, CLASSES, HIDDEN = 16, 16, 4, 3
 STEPS, CUT = 12, 6
 INJECTED = {3: 1, 8: 3}  # step -> the block whose output gradient rank 1 alone poisons with inf
-TIMEOUT_S = 240.0
 
 
 class _Inject(torch.autograd.Function):
@@ -150,11 +146,7 @@ def reference(mode: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, phase: str, mode: str, out: Path, checkpoint: Path | None) -> None:
-    # a rank stuck in a collective prints where, before the test's own timeout kills it silently;
-    # one that aborts prints where too
-    faulthandler.enable()
-    faulthandler.dump_traceback_later(TIMEOUT_S, exit=True)
-    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
+    join_group(rank, out)
     try:
         net, scaler, opt = build(mode, sharded=True)
         start, skipped_before = 0, []
@@ -185,27 +177,14 @@ def _worker(rank: int, phase: str, mode: str, out: Path, checkpoint: Path | None
                    out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-    # Done and saved: leave without the interpreter's finalization, where gloo's worker threads can
-    # abort a process (pytorch/pytorch#179291). A rank died once in CI with "terminate called without
-    # an active exception" (not reproduced in 30 runs here; if it comes back mid-run, faulthandler
-    # above prints where).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 def main(argv: list[str]) -> None:
     phase, mode, out = argv[0], argv[1], Path(argv[2])
     checkpoint = Path(argv[3]) if phase == "resume" else None
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    context = mp.spawn(_worker, args=(phase, mode, out, checkpoint), nprocs=WORLD, join=False)  # type: ignore[attr-defined]
-    deadline = time.monotonic() + TIMEOUT_S + 30
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"FSDP2 ranks still running after {TIMEOUT_S + 30:.0f} s")
+    spawn(_worker, (phase, mode, out, checkpoint))
 
 
 if __name__ == "__main__":

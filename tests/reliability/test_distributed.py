@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 import autoscale
 from autoscale.ops import STAT
 from tests.helpers import assert_identical
-from tests.reliability.distributed import FORWARD_OVERFLOW, INJECTED, WORLD
+from tests.reliability.distributed import FORWARD_OVERFLOW, INJECTED
+from tests.reliability.ranks import WORLD
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 16
