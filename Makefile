@@ -34,8 +34,12 @@ chromium:
 	      { $(APT) update -qq >/dev/null 2>&1 && $(APT) install -y -qq chromium >/dev/null 2>&1; }; }; } || \
 	  echo "chromium could not be installed: the HTML diff tests will be skipped"
 
+# A worker per core (pytest-xdist; at most 4: each holds its own compiled models), each on its
+# share of the cores (tests/conftest.py).
+PYTEST := -m pytest -m "not slow" -q -n auto --maxprocesses 4 --dist worksteal
+
 test: $(STAMP) chromium
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) $(PYTEST)
 
 # The suite on the newest releases of every dependency but torch, in a venv of its own; then
 # `make pins` writes them to constraints.txt, for a change that moves the pins forward.
@@ -43,7 +47,7 @@ test-latest: chromium
 	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install --quiet torch==2.13.0
 	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e "$(EXTRAS)"
-	$(LATEST)/bin/python -m pytest -m "not slow" -q
+	$(LATEST)/bin/python $(PYTEST)
 
 pins:
 	{ sed -n '/^#/p' constraints.txt; $(LATEST)/bin/python -m pip freeze --exclude-editable | \

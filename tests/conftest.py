@@ -18,6 +18,11 @@ import torch._functorch.config  # noqa: E402
 # pass's. Tests of the cache turn it on with a cache directory of their own.
 torch._functorch.config.enable_autograd_cache = False
 
+# Under pytest-xdist (``make test`` runs a worker per core) each worker computes on its share of
+# the cores: torch's default, a thread per core in every worker, oversubscribes them.
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> None:
