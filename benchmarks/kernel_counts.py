@@ -53,7 +53,7 @@ from benchmarks import Autocast, Size, publish, size_of, step_parser
 from benchmarks.overflow_models import T5, t5_batch
 from benchmarks.overhead import MODELS, _Method, conv_net
 
-__all__ = ["COUNTED", "GRAPHS", "METHODS", "Counts", "count", "launches", "main", "report", "t5",
+__all__ = ["COUNTED", "GRAPHS", "METHODS", "Counts", "count", "count_step", "launches", "main", "report", "t5",
            "triton_codegen_on_cpu", "wide_cnn"]
 
 A_GPU, A_CPU_FORM, B = ("(a) autoscale, the GPU's form", "(a-cpu) autoscale, the CPU's form",
@@ -206,7 +206,12 @@ COUNTED: dict[str, Callable[[Size], tuple[nn.Module, torch.Tensor, torch.Tensor]
 def count(name: str, size: Size, methods: tuple[str, ...] = METHODS) -> dict[str, dict[str, Counts]]:
     """Per method (``METHODS``, or those of them given), the kernels of each graph a step of model
     ``name`` compiles."""
-    model, x, y = COUNTED[name](size)
+    return count_step(*COUNTED[name](size), methods, name=name)
+
+
+def count_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, methods: tuple[str, ...] = METHODS, *,
+               name: str = "the model") -> dict[str, dict[str, Counts]]:
+    """``count`` for any model: a step of ``model`` on inputs ``x`` and class targets ``y``."""
     native = autoscale.backend(autoscale.Config(compute="native"))
 
     def autoscale_on(m: nn.Module) -> _Method:

@@ -291,6 +291,18 @@ class Result:
         self.reads: dict[str, tuple[int, int]] = {}  # method -> (plain, fused)
 
 
+def compile_methods(methods: Mapping[str, _Method], x: torch.Tensor, y: torch.Tensor, device: str,
+                    inductor: Mapping[str, Any] | None = None) -> None:
+    """Compile and warm up each method (three steps, in the order the copies were made) under the
+    Inductor options ``inductor``, each afresh: a graph served from the caches runs faster (see the
+    module's docstring)."""
+    with (torch._inductor.config.patch({"fx_graph_cache": False, **(inductor or {})}),
+          torch._functorch.config.patch(enable_autograd_cache=False)):
+        for method in methods.values():
+            for _ in range(3):
+                method.step(x, y, device=device)
+
+
 def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: str,
             inductor: Mapping[str, Any] | None = None, measure_every: int = 1) -> Result:
     """``name``'s step times, phases and host reads, in ``runs`` runs of at least ``rounds`` rounds
@@ -309,12 +321,7 @@ def measure(name: str, size: Size, runs: int, rounds: int, steps: int, device: s
         torch._dynamo.reset()  # (and their graphs: Dynamo would count them against its recompile limit)
         methods.update(_methods(model, device, references=size != "large", reverse=run % 2 == 1,
                                 measure_every=measure_every))
-        # (every method compiles afresh: a graph served from the caches runs faster; see the docstring)
-        with (torch._inductor.config.patch({"fx_graph_cache": False, **(inductor or {})}),
-              torch._functorch.config.patch(enable_autograd_cache=False)):
-            for method in methods.values():  # (in the order the copies were made)
-                for _ in range(3):  # compile and warm up
-                    method.step(x, y, device=device)
+        compile_methods(methods, x, y, device, inductor)
         labels = sorted(methods, key=ORDER.index)
         orders = balanced_orders(len(labels))
         result.rounds = -(-rounds // len(orders)) * len(orders)  # (18 for the CPU's 6 methods)

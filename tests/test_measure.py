@@ -3,6 +3,8 @@ and either way a training step computes the same numbers, bit for bit."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 import torch._dynamo
@@ -113,16 +115,23 @@ def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch, config: autosc
     return [p.detach().clone() for p in model.parameters()], scaler._last_stats.clone(), scaler.layers()
 
 
+_EVERY_2, _PAPER = autoscale.ScalingConfig(measure_every=2), autoscale.ScalingConfig(rule="paper")
+
+
 @pytest.mark.parametrize("config", [
     autoscale.Config(),
     autoscale.Config(executor="eager"),  # (the points and the fold run as ops, not compiled kernels)
-    autoscale.Config(scaling=autoscale.ScalingConfig(measure_every=2)),
-    autoscale.Config(scaling=autoscale.ScalingConfig(rule="paper")),
-], ids=["inductor", "eager", "measure_every", "paper"])
+    autoscale.Config(scaling=_EVERY_2, executor="eager"),
+    autoscale.Config(scaling=_PAPER, executor="eager"),
+    pytest.param(autoscale.Config(scaling=_EVERY_2), marks=pytest.mark.slow),
+    pytest.param(autoscale.Config(scaling=_PAPER), marks=pytest.mark.slow),
+], ids=["inductor", "eager", "measure_every-eager", "paper-eager", "measure_every", "paper"])
 def test_a_gpus_form_trains_bit_for_bit_as_the_cpus(monkeypatch: pytest.MonkeyPatch, config: autoscale.Config) -> None:
     """Compiled here in the GPU's form (outputs written by their producers' kernels, reductions
     handed to the fold as partial results), a model trains to the same parameters, statistics and
-    layer reports as in the CPU's, bit for bit: max and integer counts are exact in any order."""
+    layer reports as in the CPU's, bit for bit: max and integer counts are exact in any order.
+    Steps that measure nothing (``measure_every``) and the paper's rule (its moments) under the
+    eager executor in the default suite, under Inductor too in the slow one."""
     cpu = _trained(FORMS["cpu"], monkeypatch, config)
     gpu = _trained(ACCELERATOR_FORM, monkeypatch, config)
     assert all(a.equal(b) for a, b in zip(cpu[0], gpu[0], strict=True))
@@ -130,16 +139,22 @@ def test_a_gpus_form_trains_bit_for_bit_as_the_cpus(monkeypatch: pytest.MonkeyPa
     assert cpu[1][:, measure.STAT["amax"]].gt(0).sum() >= 2  # (the layers measured something)
 
 
-@pytest.mark.parametrize("model_name", ["cnn", "attention"])
-def test_a_gpus_form_trains_a_cnn_and_attention_as_the_cpus(monkeypatch: pytest.MonkeyPatch, model_name: str) -> None:
+@pytest.mark.parametrize(("model_name", "executor"), [
+    ("cnn", "inductor"),
+    ("attention", "eager"),
+    pytest.param("attention", "inductor", marks=pytest.mark.slow),
+])
+def test_a_gpus_form_trains_a_cnn_and_attention_as_the_cpus(monkeypatch: pytest.MonkeyPatch, model_name: str,
+                                                            executor: Literal["inductor", "eager"]) -> None:
     """The same for a CNN whose values Inductor lays out channels-last (oneDNN's rule on a CPU), and
     with them the GPU's form's partial results, and for an attention whose checks of its Q, K and V
     read the copies the next GEMMs read (``passes/lay_out_partials.py``): statistics and layer
     reports bit for bit. The parameters only as one graph run by two executors: Inductor fuses and
     orders some reductions otherwise in the two forms (the CNN's batch norms' backward: the last bits
-    of four of its eight parameters, with the partials in either layout)."""
+    of four of its eight parameters, with the partials in either layout). The attention under
+    Inductor in the slow suite, under the eager executor in the default one."""
     # (the attention's GEMMs native, as on a GPU: emulated, a rounding kernel writes their outputs)
-    config = autoscale.Config(compute="native" if model_name == "attention" else "emulate")
+    config = autoscale.Config(compute="native" if model_name == "attention" else "emulate", executor=executor)
     cpu = _trained(FORMS["cpu"], monkeypatch, config, model_name)
     gpu = _trained(ACCELERATOR_FORM, monkeypatch, config, model_name)
     assert all(sqnr(a, b) >= SQNR_MIN_DB_SAME_GRAPH for a, b in zip(cpu[0], gpu[0], strict=True))

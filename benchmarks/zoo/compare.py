@@ -265,17 +265,20 @@ def _autoscale(model: nn.Module, batch: Batch, steps: int, ref: dict[str, torch.
 
 
 def compare(entry: ZooModel, *, steps: int = 8, seed: int = 0, executor: str = "inductor",
-            optimizer: str = "adamw") -> ZooResult:
-    """Train ``entry`` with float32, torch.amp and autoscale from the same initial weights."""
+            optimizer: str = "adamw", plain: bool = True) -> ZooResult:
+    """Train ``entry`` with float32, torch.amp and autoscale from the same initial weights; with
+    ``plain``, also count the graphs plain Dynamo makes of it (``ZooResult.extra_graphs``)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r}: the zoo trains with {', '.join(OPTIMIZERS)}")
     model, batch = entry.build(seed)
     result = ZooResult(entry.name, entry.family, steps, executor, optimizer)
-    methods = ("torch.amp", "autoscale", "plain", *(("inductor",) if executor == "inductor" else ()))
+    methods = ("torch.amp", "autoscale", *(("plain",) if plain else ()),
+               *(("inductor",) if executor == "inductor" else ()))
     copies = {m: copy.deepcopy(model) for m in methods}  # before float32 trains the original
     ref = _float32(model, batch, steps, result)
     _amp(copies["torch.amp"], batch, steps, ref, result)
-    result.plain_graphs = _plain_graphs(copies["plain"], batch)
+    if "plain" in copies:
+        result.plain_graphs = _plain_graphs(copies["plain"], batch)
     if "inductor" in copies:
         _inductor_float32(copies["inductor"], batch, ref, result)
     _autoscale(copies["autoscale"], batch, steps, ref, executor, result)

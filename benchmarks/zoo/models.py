@@ -74,6 +74,12 @@ def _seq2seq(seed: int) -> Batch:
 def _made(seed: int, make: Callable[[], nn.Module], batch: Batch) -> tuple[nn.Module, Batch]:
     torch.manual_seed(seed)
     model = make()
+    labels, config = batch.get("labels"), getattr(model, "config", None)
+    if labels is not None and labels.dim() == 1 and getattr(config, "problem_type", "") is None:
+        # What a classifier's loss infers from its first labels and writes into the config
+        # (transformers.loss.loss_utils), set up front: written during the first step, it fails a
+        # guard of Dynamo's, and the model compiles again at its second, with any backend.
+        config.problem_type = "single_label_classification"
     return model.train(), batch
 
 

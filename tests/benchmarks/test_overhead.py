@@ -107,15 +107,22 @@ def test_measure_every_reaches_autoscales_scalers_alone() -> None:
     assert isinstance(methods[overhead.B].scaler, torch.amp.GradScaler)
 
 
-def test_measure_every_0_measures_the_first_step_alone() -> None:
+@pytest.mark.parametrize("executor", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_measure_every_0_measures_the_first_step_alone(executor: str) -> None:
     """``--measure-every 0``, the floor: (a) and (a') measure their first step and no other, so that
-    every timed step runs the graph whose points only multiply and check; the report says so."""
+    every timed step runs the graph whose points only multiply and check; the report says so. The
+    steps as the benchmark compiles them (Inductor) in the slow suite; with the eager executor, the
+    same scaler, in the default one."""
     model, x, y = MODELS["MLP"]("tiny")
     methods = overhead._methods(model, "cpu", measure_every=0)
     scalers = {label: m.scaler for label, m in methods.items() if isinstance(m.scaler, autoscale.GradScaler)}
     assert {label: s.config.measure_every for label, s in scalers.items()} == {
         overhead.A: overhead.FLOOR, overhead.A_UNWATCHED: overhead.FLOOR, overhead.A_EVERY: 1}
     floor = methods[overhead.A]
+    if executor == "eager":
+        owner = floor.owner
+        eager = autoscale.backend(autoscale.Config(executor="eager"))
+        floor = overhead._Method(torch.compile(owner, backend=eager), floor.scaler, owner)
     measured = []
     for _ in range(4):
         measured.append(floor.scaler._state.measuring)
@@ -136,6 +143,35 @@ def test_each_round_times_whole_periods_of_at_least_5_steps(every: int, steps: i
     assert overhead.steps_per_round(every) == steps
 
 
+class _Seen:
+    """A method's stand-in that notes the Inductor option it steps under."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def step(self, *args: object, **kwargs: object) -> None:
+        self.seen.append(torch._inductor.config.max_autotune_pointwise)
+
+
+def test_methods_compile_under_the_inductor_options() -> None:
+    """``compile_methods`` steps every method (compile and warm-up) under the options ``--inductor``
+    asks for, and restores them; the whole benchmark's run is the slow test below."""
+    methods = {label: _Seen() for label in (overhead.A, overhead.B)}
+    overhead.compile_methods(methods, torch.zeros(1), torch.zeros(1), "cpu",  # type: ignore[arg-type]
+                             inductor={"max_autotune_pointwise": True})
+    assert all(m.seen == [True] * 3 for m in methods.values())
+    assert not torch._inductor.config.max_autotune_pointwise
+    result = overhead.Result(rounds=1)
+    result.steps = [{overhead.A: 2.0, overhead.A_UNWATCHED: 2.0, overhead.B: 1.0, overhead.B_AGAIN: 1.0}]
+    result.phases = {label: dict.fromkeys(overhead.PHASES, 1e-3) for label in result.steps[0]}
+    result.faults.update({label: [0.0] for label in result.steps[0]})
+    result.reads = {label: (0, 0) for label in (overhead.A, overhead.A_UNWATCHED, overhead.B)}
+    text = overhead.report({"MLP": result}, size="quick", runs=1, steps=1, device="cpu",
+                           inductor={"max_autotune_pointwise": True})
+    assert "every method compiled with Inductor's max_autotune_pointwise=True" in text
+
+
+@pytest.mark.slow
 def test_every_method_compiles_under_the_inductor_options(monkeypatch: pytest.MonkeyPatch) -> None:
     """What ``--inductor`` asks for is in force while each method compiles (its first steps), and
     the report says so."""

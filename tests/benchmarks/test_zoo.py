@@ -80,7 +80,7 @@ def test_first_step_gradients_are_as_accurate_as_torch_amp(name: str) -> None:
     Inductor's): not skipped, every parameter that float32 gives a gradient gets one, and all of
     them together at least as close to float32's as torch.amp's (SQNR, 1 dB slack). The Llama
     family's gradients went wrong with transformers 5.25 while the fast subset stayed green."""
-    r = compare(MODELS[name], steps=1, executor="eager")
+    r = compare(MODELS[name], steps=1, executor="eager", plain=False)
     assert not r.error, r.error
     assert r.skipped["autoscale"] == 0
     assert not r.missing, r.missing
