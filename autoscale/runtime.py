@@ -180,6 +180,11 @@ class IdentitySet:
     def __len__(self) -> int:
         return len(self._refs)
 
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for ref in list(self._refs.values()):
+            if (tensor := ref()) is not None:
+                yield tensor
+
 
 _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # scales tensor -> its ScaleState
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref to its model's ScaleState

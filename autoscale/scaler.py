@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoscale.checked_grads import CheckedGradients, hooked
 from autoscale.config import Config, OverflowConfig, ScalingConfig
 from autoscale.mirror import HostMirror
 from autoscale.ops import FP16_MAX, SCALE_RANGE, STAT, headroom
@@ -116,6 +117,8 @@ class GradScaler:
         device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
         self._state: ScaleState | None = (
             install_state(model, moments=cfg.rule == "paper") if cfg.mode == "adaptive" else None)
+        # which gradients are still as a compiled backward checked them (not read again by step)
+        self._grads = CheckedGradients(self._state.checked if self._state is not None else IdentitySet())
         init = 1.0 if cfg.mode in ("none", "adaptive") else cfg.init_scale  # adaptive: layers scale themselves
         self._loss_scale = torch.full((), float(init), device=device)  # 0-dim, like torch.amp's
         self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
@@ -161,14 +164,16 @@ class GradScaler:
 
         In adaptive mode the loss scale is 1 (the layers scale themselves) and ``outputs`` come back
         as they are, with no multiply in the forward and none in the backward. There, a hook on
-        each output refuses a backward with ``create_graph=True`` (a gradient penalty) in words:
-        the compiled backward writes the layers' statistics, and AOTAutograd cannot differentiate
-        a backward that mutates its inputs; its own error speaks of input mutations."""
+        each output starts the backward: it has ``CheckedGradients`` note which gradients the
+        compiled backward is about to check, and it refuses a backward with ``create_graph=True``
+        (a gradient penalty) in words: the compiled backward writes the layers' statistics, and
+        AOTAutograd cannot differentiate a backward that mutates its inputs; its own error speaks
+        of input mutations."""
         if isinstance(outputs, torch.Tensor):
             self._follow(self._state.stats.device if self._state is not None else outputs.device)
             if not self._multiplies:
                 if self._state is not None and self._state.graphs and outputs.requires_grad:
-                    outputs.register_hook(_refuse_double_backward)
+                    outputs.register_hook(self._backward_starts)
                 return outputs
             return outputs * self._loss_scale.to(outputs.dtype)
         if not isinstance(outputs, Iterable):
@@ -188,17 +193,22 @@ class GradScaler:
         self._check_grads(optimizer, unscale=True)
         self._stages[id(optimizer)] = _Stage.UNSCALED
 
+    def _backward_starts(self, grad: torch.Tensor) -> None:
+        """The hook ``scale`` puts on an output in adaptive mode (see there)."""
+        _refuse_double_backward(grad)
+        self._grads.backward_starts()
+
     def _check_grads(self, optimizer: torch.optim.Optimizer, *, unscale: bool) -> None:
         """Note any inf/nan in the gradients, on the device, and divide them by the loss scale if
-        ``unscale``. Gradients a compiled graph already checked as it unscaled them (adaptive
-        mode) are skipped: that check was fused into the backward, and this would be another pass
-        over their memory. Not those of parameters with gradient hooks, which run after the graph
-        and may change them (an inf they write would otherwise reach the weights)."""
-        checked = self._state.checked if self._state is not None else IdentitySet()
+        ``unscale``. A gradient a compiled graph checked as it unscaled it (adaptive mode) is
+        skipped while it is still what the graph checked (``CheckedGradients``): that check was
+        fused into the backward, and this would be another pass over its memory. One that changed
+        since, or one a gradient hook may have changed, is checked here."""
+        checked = self._grads
         by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is None or (p in checked and not (p._backward_hooks or p._post_accumulate_grad_hooks)):
+                if p.grad is None or (checked.unchanged(p) and not hooked(p)):
                     continue
                 if unscale and p.grad.dtype == torch.float16:
                     raise ValueError(
@@ -285,6 +295,7 @@ class GradScaler:
             self._found_inf.zero_()
             self._last_skipped.copy_(overflow > 0)
         self._steps += 1
+        self._grads.clear()
         self._measure_next()
         if self._telemetry is not None:
             self._write_telemetry(overflow)
