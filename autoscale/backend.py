@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -71,9 +72,15 @@ class Backend:
         return [r.report for r in self.records]
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return self._compile(gm, example_inputs)
+
+    def _compile(self, gm: GraphModule, example_inputs: Sequence[Any], static_in: Any = None) -> Callable[..., Any]:
+        """Compile Dynamo's graph ``gm``; with a fake mode ``static_in``, the executor traces the
+        inputs but parameters as fake tensors of static shapes in that mode (``_recompile``)."""
         from autoscale.executors import EXECUTORS, JointStage, inductor_keeps_roundings  # Inductor: only when compiling
 
         _refuse_ddp_split(example_inputs)
+        dynamo_graph = gm
         if self.config.scaling.mode == "adaptive" and (reached := reach_state(gm, example_inputs)):
             gm, bound = reached
         else:
@@ -97,13 +104,26 @@ class Backend:
         joint_passes = tuple(spec.fn for spec in self.pipeline if spec.stage == "joint")
         key = f"{cfg!r} {[fn.__name__ for fn in joint_passes]}"
         hits = _aot_cache_hits()
-        compiled = EXECUTORS[cfg.executor](gm, example_inputs, JointStage(run_joint, joint_passes, key))
+        traced = example_inputs if static_in is None else [
+            static_in.from_tensor(x, static_shapes=True)
+            if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x for x in example_inputs]
+        compiled = EXECUTORS[cfg.executor](gm, traced, JointStage(run_joint, joint_passes, key))
         record.cached = _aot_cache_hits() > hits
         if cfg.executor == "inductor" and (state := _state_of_graph(gm, example_inputs)) is not None:
             state.inductor_graphs += 1  # (the scaler compiles its update too: docs/results/overhead.md)
         if (rooted := gm.meta.get(_ROOTED_AT)) is not None:
-            compiled = _only_for(compiled, rooted)
+            compiled = _per_instance(compiled, rooted, len(bound), functools.partial(self._recompile, dynamo_graph))
         return _bind_last(compiled, bound) if bound else compiled
+
+
+    def _recompile(self, gm: GraphModule, args: list[Any]) -> Callable[..., Any]:
+        """``gm``, the graph Dynamo compiled, compiled again for ``args`` (another module of the
+        class it was compiled for: ``_per_instance``), in the fake mode it was traced in and with
+        the shapes it was traced with (Dynamo's compile hands the executor fake inputs so)."""
+        fake_mode = detect_fake_mode([n.meta.get("example_value", n.meta.get("val"))
+                                      for n in gm.graph.find_nodes(op="placeholder")])
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            return self._compile(gm, args, static_in=fake_mode)
 
 
 def _aot_cache_hits() -> int:
@@ -195,7 +215,10 @@ def reach_state(gm: GraphModule, example_inputs: Sequence[Any]
     prefix = path.removesuffix(name).rstrip(".") if path.endswith(name) else ""
     # or the other way round: the graph is one submodule's forward (FSDP2's fully_shard'ed blocks)
     inner = name.removesuffix(path).rstrip(".") if name != path and name.endswith("." + path) else ""
-    rooted = _RootedAt(placeholders.index(node), weakref.ref(x), inner) if inner else None
+    rooted = None
+    if inner:
+        fsdp2 = _fsdp2_managed(state.root.get_submodule(inner))
+        rooted = _RootedAt(placeholders.index(node), weakref.ref(x), inner, fsdp2)
     bound = [state.scales, state.stats_for_graph(), state.peaks]
     fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
     graph = Graph()
@@ -239,6 +262,15 @@ class _RootedAt:
     index: int
     param: weakref.ref[torch.Tensor]
     path: str
+    fsdp2: bool  # the submodule is FSDP2-managed (``fully_shard``)
+
+
+def _fsdp2_managed(module: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (a torch built without distributed)
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def _root_at(graph: Graph, path: str, module_type: type) -> None:
@@ -255,24 +287,36 @@ def _root_at(graph: Graph, path: str, module_type: type) -> None:
         node.meta["nn_module_stack"] = stack
 
 
-def _only_for(compiled: Callable[..., Any], rooted: _RootedAt) -> Callable[..., Any]:
-    """``compiled``, refusing to run for another submodule than the one it was compiled for.
+def _per_instance(compiled: Callable[..., Any], rooted: _RootedAt, bound: int,
+                  compile_for: Callable[[list[Any]], Callable[..., Any]]) -> Callable[..., Any]:
+    """``compiled``, the graph of the submodule at ``rooted.path``, for that submodule; for another
+    module of its class, the same Dynamo graph compiled for that module (``compile_for`` of
+    Dynamo's arguments, those before the ``bound`` tensors ``_bind_last`` adds), each keeping its
+    own layers' rows.
 
     Dynamo compiles a module class's forward once and reuses the graph for every instance that
-    passes its guards, and it does not guard on FSDP2-managed modules (``skip_fsdp_guards``): with
-    one backend for the whole model, the graph compiled for ``layers.1`` would run for
-    ``layers.2`` too, scaling and measuring its gradients in ``layers.1``'s row. Give each
-    ``fully_shard``-ed block its own backend instead (Dynamo does not share graphs between
-    backends)."""
+    passes its guards, which do not tell instances apart (their parameters are inputs): two
+    towers, an ensemble, a teacher and a student, each compiled. Run for another instance, the
+    graph would scale and measure that module's gradients in ``rooted.path``'s rows. Refused for
+    FSDP2-managed modules (``fully_shard``): give each block a backend of its own."""
+    graphs: dict[int, tuple[weakref.ref[torch.Tensor], Callable[..., Any]]] = {}
+
     def run(*args: Any) -> Any:
-        if args[rooted.index] is not rooted.param():
-            raise RuntimeError(
-                f"autoscale: the graph compiled for the submodule {rooted.path!r} is running for another module "
-                "of its class (Dynamo reuses a graph across FSDP2-managed modules, whose guards it skips), which "
-                f"would scale that module's gradients with {rooted.path!r}'s scales. Compile each fully_shard-ed "
-                "block with a backend of its own: "
-                "`for block in blocks: block.compile(backend=autoscale.backend(config))`, and not the whole model")
-        return compiled(*args)
+        param = args[rooted.index]
+        if param is rooted.param():
+            return compiled(*args)
+        known = graphs.get(id(param))
+        if known is None or known[0]() is not param:
+            if rooted.fsdp2:
+                raise RuntimeError(
+                    f"autoscale: the graph compiled for the submodule {rooted.path!r} is running for another "
+                    "FSDP2-managed module of its class (Dynamo reuses a graph across FSDP2-managed modules, whose "
+                    f"guards it skips), which would scale that module's gradients with {rooted.path!r}'s scales. "
+                    "Compile each fully_shard-ed block with a backend of its own: "
+                    "`for block in blocks: block.compile(backend=autoscale.backend(config))`, and not the whole "
+                    "model")
+            known = graphs[id(param)] = (weakref.ref(param), compile_for(list(args[:len(args) - bound])))
+        return known[1](*args[:len(args) - bound])
 
     return run
 

@@ -9,13 +9,16 @@ makes a gradient non-finite between the backward and the step: every scaler must
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.test_scaler_semantics import KINDS, SKIP_ITER, Rig, _Model, assert_close, pair, run_case
+import autoscale
+from tests.test_scaler_semantics import KINDS, SKIP_ITER, Rig, _Model, assert_close, pair, plain_step, rig, run_case
 
 INF = float("inf")
 
@@ -141,3 +144,40 @@ def test_an_edit_through_data_bypasses_the_version_counter(kind: str, request: p
             r.model.l1.weight.grad.data.fill_(INF)  # type: ignore[union-attr]
 
     _check(kind, _edited_step(edit))
+
+
+class _Towers(nn.Module):
+    """Two modules of one class (two towers, an ensemble, a teacher and a student), each compiled
+    on its own under one scaler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _Model(), _Model()
+        with torch.no_grad():
+            self.b.l0.weight.mul_(4)  # (towers of one class need not share a scale)
+
+
+def _towers(kind: str, model: _Towers, *, scaled: bool = True) -> Rig:
+    r = rig(kind, model, scaled=scaled)
+    if kind == "torch.amp":
+        r.forward = lambda x: model.a(x) + model.b(x)
+    else:
+        backend = autoscale.backend(autoscale.Config(executor="eager", scaling=r.scaler.config))
+        a, b = torch.compile(model.a, backend=backend), torch.compile(model.b, backend=backend)
+        r.forward = lambda x: a(x) + b(x)
+    return r
+
+
+def test_two_modules_of_one_class_each_compiled(kind: str) -> None:
+    """Dynamo compiles the class's forward once and reuses the graph for the other instance: each
+    instance gets a graph of its own (``backend._per_instance``), scaled in its own rows."""
+    torch.manual_seed(0)
+    model = _Towers()
+    scaled, reference = _towers(kind, model), _towers(kind, copy.deepcopy(model), scaled=False)
+    changed = run_case(scaled, plain_step, lr=0.1)
+    run_case(reference, plain_step, lr=0.1)
+    assert changed == [i != SKIP_ITER for i in range(len(changed))], changed
+    assert_close(scaled.model, reference.model)
+    if kind == "adaptive":
+        rows = {r.name.split(".")[0] for r in scaled.scaler.layers()}
+        assert {"a", "b"} <= rows, rows
