@@ -71,7 +71,7 @@ class CheckedGradients:
         if left is None:
             return False
         grad = p.grad
-        return left[1] is grad and left[0] is p and grad._version == left[2]  # type: ignore[union-attr]
+        return left[1] is grad and left[0] is p and grad._version == left[2]
 
     def clear(self) -> None:
         """Forget the recorded gradients: the step is over (``GradScaler.update``)."""
