@@ -18,7 +18,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoscale
-from tests.test_scaler_semantics import KINDS, SKIP_ITER, Rig, _Model, assert_close, pair, plain_step, rig, run_case
+from tests.test_scaler_semantics import (
+    KINDS,
+    SKIP_ITER,
+    Rig,
+    _Model,
+    assert_close,
+    backward_and_step,
+    pair,
+    plain_step,
+    rig,
+    run_case,
+)
 
 INF = float("inf")
 
@@ -181,3 +192,84 @@ def test_two_modules_of_one_class_each_compiled(kind: str) -> None:
     if kind == "adaptive":
         rows = {r.name.split(".")[0] for r in scaled.scaler.layers()}
         assert {"a", "b"} <= rows, rows
+
+
+def test_an_ema_copy_of_the_model(kind: str) -> None:
+    """An exponential moving average of the weights (``copy.deepcopy`` of the model, updated after
+    every step; in adaptive mode the copy carries a copy of the scaler's state, unused)."""
+    emas: dict[int, nn.Module] = {}
+
+    def step(r: Rig, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        ema = emas.setdefault(id(r), copy.deepcopy(r.model))
+        _edited_step(lambda r, bad: None)(r, i, x, y)
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), r.model.parameters(), strict=True):
+                e.lerp_(p, 0.1)
+
+    scaled, reference = pair(kind, _Model)
+    run_case(scaled, step, lr=0.1)
+    run_case(reference, step, lr=0.1)
+    assert_close(scaled.model, reference.model)
+    assert_close(emas[id(scaled)], emas[id(reference)])
+
+
+def _frozen() -> nn.Module:
+    model = _Model()
+    model.l0.weight.requires_grad_(False)  # (fine-tuning: part of the model frozen)
+    return model
+
+
+def test_frozen_parameters(kind: str) -> None:
+    scaled, reference = pair(kind, _frozen)
+    frozen = scaled.model.l0.weight.detach().clone()
+    run_case(scaled, plain_step, lr=0.1)
+    run_case(reference, plain_step, lr=0.1)
+    assert_close(scaled.model, reference.model)
+    assert torch.equal(scaled.model.l0.weight, frozen)
+
+
+class _Branches(_Model):
+    """A layer used only at some steps (a mixture's expert not routed to, a head trained every
+    other step): its parameters get no gradient then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        out = super().forward(x)
+        return self.extra(out) if use_extra else out
+
+
+def test_parameters_without_a_gradient_at_some_steps(kind: str) -> None:
+    def step(r: Rig, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        (opt,) = r.optimizers
+        opt.zero_grad(set_to_none=True)
+        backward_and_step(r, i, F.mse_loss(r(x, i % 2 == 0).float(), y))
+
+    scaled, reference = pair(kind, _Branches)
+    changed = run_case(scaled, step, lr=0.1)
+    run_case(reference, step, lr=0.1)
+    assert changed == [i != SKIP_ITER for i in range(len(changed))], changed
+    assert_close(scaled.model, reference.model)
+
+
+def test_a_gradient_hook_that_rescales_and_at_one_step_overflows(kind: str) -> None:
+    """A tensor hook on a weight (a per-parameter clip or rescale), which at ``SKIP_ITER`` makes
+    the gradient inf; it runs after the compiled backward checked the gradient."""
+    at = {"step": 0}
+
+    def hooked(r: Rig) -> Rig:
+        r.model.l1.weight.register_hook(
+            lambda g: torch.full_like(g, INF) if r.scaled and at["step"] == SKIP_ITER else g * 0.5)
+        return r
+
+    def step(r: Rig, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        at["step"] = i
+        plain_step(r, i, x, y)
+
+    scaled, reference = (hooked(r) for r in pair(kind, _Model))
+    changed = run_case(scaled, step, lr=0.1, skip_iter=None)
+    run_case(reference, step, lr=0.1, skip_iter=None)
+    assert changed == [i != SKIP_ITER for i in range(len(changed))], changed
+    assert_close(scaled.model, reference.model)
