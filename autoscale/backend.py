@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.fx import Graph, GraphModule, Node
 from torch.nn.parallel import DistributedDataParallel
@@ -74,9 +74,10 @@ class Backend:
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         return self._compile(gm, example_inputs)
 
-    def _compile(self, gm: GraphModule, example_inputs: Sequence[Any], static_in: Any = None) -> Callable[..., Any]:
+    def _compile(self, gm: GraphModule, example_inputs: Sequence[Any],
+                 static_in: FakeTensorMode | None = None) -> Callable[..., Any]:
         """Compile Dynamo's graph ``gm``; with a fake mode ``static_in``, the executor traces the
-        inputs but parameters as fake tensors of static shapes in that mode (``_recompile``)."""
+        inputs but the parameters as fake tensors of static shapes in that mode (``_recompile``)."""
         from autoscale.executors import EXECUTORS, JointStage, inductor_keeps_roundings  # Inductor: only when compiling
 
         _refuse_ddp_split(example_inputs)
@@ -115,11 +116,10 @@ class Backend:
             compiled = _per_instance(compiled, rooted, len(bound), functools.partial(self._recompile, dynamo_graph))
         return _bind_last(compiled, bound) if bound else compiled
 
-
     def _recompile(self, gm: GraphModule, args: list[Any]) -> Callable[..., Any]:
         """``gm``, the graph Dynamo compiled, compiled again for ``args`` (another module of the
-        class it was compiled for: ``_per_instance``), in the fake mode it was traced in and with
-        the shapes it was traced with (Dynamo's compile hands the executor fake inputs so)."""
+        class it was compiled for: ``_per_instance``), in the fake mode Dynamo traced it in and
+        at the shapes of ``args``: fakes of other shapes or modes fail in the passes and AOTAutograd."""
         fake_mode = detect_fake_mode([n.meta.get("example_value", n.meta.get("val"))
                                       for n in gm.graph.find_nodes(op="placeholder")])
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
