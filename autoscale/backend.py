@@ -281,8 +281,13 @@ def _root_at(graph: Graph, path: str, module_type: type) -> None:
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module", "get_attr"):
             continue
-        stack = {"autoscale_root": (f"L['self'].{path}", module_type)}
-        for key, (where, *rest) in (node.meta.get("nn_module_stack") or {}).items():
+        entries = list((node.meta.get("nn_module_stack") or {}).items())
+        # the submodule's entry is reached from the root its graph's entries are (``module_entry``
+        # passes over entries reached from elsewhere): ``L['fn']`` for ``torch.compile(submodule)``
+        found = DYNAMO_ROOT.match(str(entries[0][1][0])) if entries else None
+        root = found.group(0) if found else "L['self']"
+        stack = {"autoscale_root": (f"{root}.{path}", module_type)}
+        for key, (where, *rest) in entries:
             stack[key] = (DYNAMO_ROOT.sub(lambda m: f"{m.group(0)}.{path}", str(where), count=1), *rest)
         node.meta["nn_module_stack"] = stack
 

@@ -26,8 +26,8 @@ from autoscale.measure import ANY_NONFINITE, LOSS_ROW
 from autoscale.ops import FP16_MAX, LAYOUT_SEP, NUM_STATS, STAT
 from autoscale.overflow import ForwardSites
 
-__all__ = ["LOSS_ROW", "LAYOUT_SEP", "IdentitySet", "ScaleState", "announce_in_forward", "install_state", "owner_of",
-           "recoded_forward", "state_of", "unwrap"]
+__all__ = ["LOSS_ROW", "LAYOUT_SEP", "IdentitySet", "ScaleState", "announce_in_forward", "compile_in_place",
+           "install_state", "owner_of", "recoded_forward", "state_of", "unwrap"]
 
 _LOSS_NAME = "<loss>"
 _STATE_ATTR = "_autoscale_state"
@@ -368,6 +368,26 @@ def recoded_forward(module: nn.Module) -> Callable[..., Any]:
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"{type(module).__name__}.forward is a {type(fn).__name__}, not a Python function")
     return _recoded(fn) if bound_to is None else types.MethodType(_recoded(fn), bound_to)
+
+
+def compile_in_place(module: nn.Module, backend: Callable[..., Any]) -> None:
+    """``module.compile(backend=backend)`` that compiles ``torch.nn``'s own modules too, each module
+    from a frame of its own: calling ``module`` (``self.encoder(x)``) runs it compiled, and the
+    module stays itself (its ``state_dict`` keys, its attributes).
+
+    ``nn.Module.compile`` compiles ``_call_impl``, a frame of torch's own that Dynamo skips: it
+    starts from the frames called below, the class's ``forward``, which for an ``nn.Sequential``
+    is torch's too, so nothing is compiled; and a user class's ``forward`` is one frame for all its
+    instances, with one recompile limit and one automatic-dynamic state (``announce_in_forward``).
+    Here Dynamo starts from ``_unit_<n>``, ``_call_unit`` recoded for this module, and inlines the
+    rest, as ``torch.compile(module)`` does; a copy of the module (``copy.deepcopy``) is called
+    through a copy of the partial, on itself."""
+    frame = _recoded(cast(types.FunctionType, _call_unit), name=f"_unit_{next(_FRAMES)}")
+    module._compiled_call_impl = torch.compile(functools.partial(frame, module), backend=backend)
+
+
+def _call_unit(module: nn.Module, *args: Any, **kw: Any) -> Any:
+    return module._call_impl(*args, **kw)
 
 
 def _frame(announced: types.FunctionType) -> types.FunctionType:

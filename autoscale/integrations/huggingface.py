@@ -121,6 +121,7 @@ class AutoscaleAccelerator(Accelerator):  # type: ignore[misc]
         self.autoscale_backend = autoscale.backend(self.autoscale_config)
         self.scaler = None
         self._autoscale_model: nn.Module | None = None
+        self._autoscale_verified = False
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
@@ -155,6 +156,19 @@ class AutoscaleAccelerator(Accelerator):  # type: ignore[misc]
                                "model, optimizer), in that order): the optimizer's wrapper takes the GradScaler, "
                                "which is made for the model")
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """accelerate's ``backward``; at the first one, refuse a loss that no autoscale graph computed
+        (training would silently run in float32, unscaled)."""
+        if self._autoscale_model is not None and not self._autoscale_verified:
+            state = getattr(self._autoscale_model, "_autoscale_state", None)
+            if not (getattr(state, "graphs", 0) or self.autoscale_backend.records):
+                raise RuntimeError("AutoscaleAccelerator: the loss was computed without the model running through "
+                                   "autoscale, so nothing runs in float16 or is scaled: call the model that "
+                                   "accelerator.prepare returned (in a Trainer's compute_loss, the `model` argument, "
+                                   "not self.model)")
+            self._autoscale_verified = True
+        super().backward(loss, **kwargs)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None) -> None:
         """Unscale the gradients (and look for inf/nan) before clipping, whatever the scaler's mode.

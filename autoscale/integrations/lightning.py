@@ -1,20 +1,27 @@
 """Lightning precision plugins: ``Trainer(precision="16-mixed")`` with autoscale instead of torch.amp.
 
 ``precision="16-mixed"`` runs the forward under ``torch.autocast`` and scales the loss with
-``torch.amp.GradScaler``. These plugins replace both: the LightningModule is compiled in place with
-``module.compile(backend=<autoscale>)``, so that ``self(x)`` runs its ``forward`` compiled (the
-compiled graph does its own float16 casts, so there is no autocast), and an
-:class:`autoscale.GradScaler` takes torch.amp's place::
+``torch.amp.GradScaler``. These plugins replace both: an :class:`autoscale.GradScaler` takes
+torch.amp's place, and the model is compiled in place with the autoscale backend (the compiled
+graphs do their own float16 casts, so there is no autocast)::
 
     trainer = L.Trainer(plugins=[AutoscalePrecision()])                   # instead of precision="16-mixed"
     fabric = L.Fabric(plugins=[AutoscaleFabricPrecision()])
 
-Why ``forward`` and not ``training_step``: ``training_step`` holds the loss, the logging and other
-host-side code that would break the graph, while ``forward`` is the model; ``self(x)`` in
-``training_step`` goes through the compiled forward. The scaler is created on the unwrapped module
-after the model has moved to its device (in adaptive mode it puts per-layer scale buffers on the
-model, and its own tensors live on the device of the model's parameters) and before the first
-forward, which is when Dynamo compiles and the backend finds those buffers.
+What is compiled: the LightningModule's ``forward`` (``self(x)``) and, each on its own, every
+submodule that holds parameters (``self.encoder(z)``; the children of an ``nn.ModuleList`` or
+``nn.ModuleDict``), so that a ``training_step`` that calls its submodules, as Lightning's docs write
+them, trains in float16 with or without a ``forward``. A submodule ``forward`` calls is part of
+``forward``'s graph. ``training_step`` itself runs eagerly: it holds the loss, ``self.log``, manual
+optimization and other host-side code that would break the graph or that Dynamo should not trace
+(``opt.step()``); what it computes between the modules' calls runs in float32. The modules stay
+themselves (``state_dict`` keys, attributes): each has its compiled call set, as
+``nn.Module.compile`` does (``autoscale.runtime.compile_in_place``).
+
+The scaler is created on the unwrapped module after the model has moved to its device (in adaptive
+mode it puts per-layer scale buffers on the model, and its own tensors live on the device of the
+model's parameters) and before the first forward, which is when Dynamo compiles and the backend
+finds those buffers.
 
 Skipped steps are not logged: read ``plugin.scaler.skipped_steps`` (a host sync) when you want them,
 e.g. in a callback's ``on_train_batch_end``; ``plugin.scaler.layers()`` reports the per-layer scales.
@@ -43,7 +50,7 @@ from torch.optim import LBFGS, Optimizer
 
 from autoscale.backend import Backend, autoscale_backend
 from autoscale.config import Config
-from autoscale.runtime import unwrap
+from autoscale.runtime import compile_in_place, unwrap
 from autoscale.scaler import GradScaler
 
 if TYPE_CHECKING:  # (a private name of Lightning's, for the type only)
@@ -148,6 +155,8 @@ class _AutoscaleMixin:
         """
         if isinstance(getattr(module, _ATTACHED, None), _Attached):
             return module  # compiled by an earlier plugin (a second Trainer on the same model): _attach adopts it
+        if isinstance(getattr(module, "_compiled_call_impl", None), _SetUpAtFirstCall):
+            return module  # set up by a Fabric plugin that has not run it yet: this plugin sets it up again
         if getattr(module, "_compiled_call_impl", None) is not None:
             raise ValueError(f"{type(self).__name__}: the module was compiled with module.compile(), whose backend the "
                              "plugin cannot read; pass the uncompiled module (the plugin compiles its forward with "
@@ -180,7 +189,7 @@ class _AutoscaleMixin:
                          "with backend='autoscale')")
 
     def _attach(self, model: nn.Module) -> None:
-        """Create the scaler on the unwrapped module and compile its forward (once per module).
+        """Create the scaler on the unwrapped module and compile it (``_compile``; once per module).
 
         The order matters: ``GradScaler`` makes the forward announce its scale buffers (a marker
         op), and the compiled forward must contain that announcement, so compiling comes second."""
@@ -197,14 +206,40 @@ class _AutoscaleMixin:
                                  "a different config; create a fresh model or use the same config")
             self._backend, self._scaler = attached.backend, attached.scaler
         else:
+            units = self._units(module)
             self._scaler = GradScaler(module, self._backend.config, telemetry=self._telemetry)
             # nn.Module.compile: ``self(x)`` runs the compiled call, and the module stays the LightningModule
             module.compile(backend=self._backend)
+            for unit in units:
+                compile_in_place(unit, self._backend)
             object.__setattr__(module, _ATTACHED, _Attached(self._backend, self._scaler))  # not a submodule
         self._module = module
         if self._pending is not None:
             self._scaler.load_state_dict(self._pending)
             self._pending = None
+
+    def _units(self, module: nn.Module) -> list[nn.Module]:
+        """The submodules compiled each on its own, as ``training_step`` may call any of them: the
+        children that hold parameters, and in place of a container without a forward of its own
+        (``nn.ModuleList``, ``nn.ModuleDict``), its children. One the user compiled with the autoscale
+        backend is left as it is; one compiled otherwise is refused, naming it."""
+        units: list[nn.Module] = []
+        pending = list(module.named_children())
+        while pending:
+            name, child = pending.pop(0)
+            if next(child.parameters(), None) is None:
+                continue
+            if isinstance(child, OptimizedModule):
+                self._adopt(_backend_of(child.dynamo_ctx))
+            elif child._compiled_call_impl is not None and not isinstance(child._compiled_call_impl, _SetUpAtFirstCall):
+                raise ValueError(f"{type(self).__name__}: the submodule {name!r} was compiled with module.compile(), "
+                                 "whose backend the plugin cannot read; leave it uncompiled (the plugin compiles each "
+                                 "submodule with the autoscale backend)")
+            elif type(child).forward is nn.Module.forward:  # (a container: training_step calls its children)
+                pending[:0] = [(f"{name}.{n}", c) for n, c in child.named_children()]
+            else:
+                units.append(child)
+        return units
 
     def _check_compiled(self) -> None:
         """Refuse, at the first backward, a loss that did not come through the compiled forward:
@@ -216,10 +251,11 @@ class _AutoscaleMixin:
         state = getattr(self._module, "_autoscale_state", None)
         graphs = getattr(state, "graphs", 0)
         if not (graphs or self._backend.records):
-            raise RuntimeError(f"{type(self).__name__}: the loss was computed without the model's forward running "
-                               "through autoscale, so nothing runs in float16 or is scaled; compute the loss from "
-                               "self(...) (the LightningModule's forward, which the plugin compiles) or from the "
-                               "module fabric.setup returned")
+            raise RuntimeError(f"{type(self).__name__}: the loss was computed without any of the model's modules "
+                               "running through autoscale, so nothing runs in float16 or is scaled. The plugin "
+                               "compiles the model's forward and each submodule that holds parameters: compute the "
+                               "loss by calling them (self(x), self.encoder(x)), not from parameters the model holds "
+                               "itself (move those into a submodule) or from methods other than forward")
         self._verified = True
 
     def _unscale(self, optimizer: Any) -> None:
@@ -304,26 +340,35 @@ class AutoscaleFabricPrecision(_AutoscaleMixin, FabricPrecision):
     """The Fabric plugin: ``L.Fabric(plugins=[AutoscaleFabricPrecision()])``; same arguments as
     :class:`AutoscalePrecision`.
 
-    Fabric has no hook between moving the model to its device and its first forward, so the scaler
-    is created (and the forward compiled) at that first forward. Save the plugin with the rest of
-    the state to checkpoint the scaler: ``fabric.save(path, {"model": m, "optimizer": o,
-    "scaler": plugin})``; ``fabric.load`` before the first forward is fine (the state waits).
+    Fabric has no hook between moving the model to its device and running it, so the scaler is
+    created (and the model compiled) when it first runs: at the first forward of the module
+    ``fabric.setup`` returned, or at the first call of any of the modules the plugin compiles
+    (``model.training_step(...)`` on one device runs no forward of Fabric's). Save the plugin with
+    the rest of the state to checkpoint the scaler: ``fabric.save(path, {"model": m, "optimizer": o,
+    "scaler": plugin})``; ``fabric.load`` before the model first runs is fine (the state waits).
     """
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Remember the module (one per plugin) for the first forward; refuse what cannot work now."""
+        """Remember the module (one per plugin) and set it up when it first runs; refuse what cannot
+        work now."""
         module = self._prepare(module)
-        if self._module is not None and unwrap(module) is not self._module:
+        root = unwrap(module)
+        if self._module is not None and root is not self._module:
             raise ValueError(f"{type(self).__name__} serves one model (autoscale.GradScaler keeps per-layer state on "
                              "it); set up other models with another Fabric")
-        self._module = unwrap(module)
+        self._module = root
+        if not isinstance(getattr(root, _ATTACHED, None), _Attached):
+            for unit in (root, *self._units(root)):
+                unit._compiled_call_impl = _SetUpAtFirstCall(self._set_up, unit)
         return module
+
+    def _set_up(self) -> None:
+        if self._scaler is None and self._module is not None:
+            self._attach(self._module)
 
     def forward_context(self) -> AbstractContextManager[None]:
         """No autocast; at the first forward (the model now on its device) create the scaler and compile."""
-        if self._scaler is None and self._module is not None:
-            module, self._module = self._module, None
-            self._attach(module)
+        self._set_up()
         return nullcontext()
 
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
@@ -336,6 +381,24 @@ class AutoscaleFabricPrecision(_AutoscaleMixin, FabricPrecision):
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         return self._step(optimizer, **kwargs)
+
+
+class _SetUpAtFirstCall:
+    """A module's compiled call (``_compiled_call_impl``) until the Fabric plugin has set the model
+    up: calling the module sets it up, which compiles it, and runs the compiled call. A copy of the
+    module (``copy.deepcopy``) is left uncompiled, as the plugin does not serve it."""
+
+    def __init__(self, set_up: Callable[[], None], unit: nn.Module) -> None:
+        self._set_up, self._unit = set_up, unit
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._set_up()
+        if self._unit._compiled_call_impl is self:  # (not compiled by the set-up: run as it is)
+            self._unit._compiled_call_impl = None
+        return self._unit(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
 
 
 def _backend_of(dynamo_ctx: object) -> object:

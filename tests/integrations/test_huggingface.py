@@ -217,6 +217,76 @@ def test_trainer_resumes_the_scaler_and_weights_from_a_checkpoint(tmp_path: Path
         torch.testing.assert_close(_weights(resumed.model)[name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
+class _Labelled(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Random sequences of three classes, each told by its first token."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(3, 128, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(1))
+        self.labels = torch.arange(SAMPLES) % 3
+        self.ids[:, 0] = self.labels
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def _classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
+
+
+def _weighted_loss_trainer(base: type[Trainer], *, call: str = "model") -> type[Trainer]:
+    """transformers' docs' custom loss ("Customizing the Trainer"), as written there, on ``base``;
+    ``call="self.model"`` calls the Trainer's unwrapped model instead of the ``model`` argument."""
+
+    class CustomTrainer(base):  # type: ignore[valid-type,misc]
+        def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            labels = inputs.pop("labels")
+            # forward pass
+            outputs = (model if call == "model" else self.model)(**inputs)
+            logits = outputs.get("logits")
+            # compute custom loss for 3 labels with different weights
+            reduction = "sum" if num_items_in_batch is not None else "mean"
+            loss_fct = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0], device=model.device),
+                                           reduction=reduction)
+            loss = loss_fct(logits.view(-1, self.model.config.num_labels), labels.view(-1))
+            if num_items_in_batch is not None:
+                loss = loss / num_items_in_batch
+            return (loss, outputs) if return_outputs else loss
+
+    return CustomTrainer
+
+
+def test_a_trainer_subclass_with_its_own_compute_loss(tmp_path: Path) -> None:
+    """The loss is computed outside the model, in float32 from the compiled model's logits: the run
+    trains as float32's does."""
+    kwargs: dict[str, Any] = dict(train_dataset=_Labelled(), args=_args(tmp_path, max_steps=8, learning_rate=3e-3))
+    trainer = _weighted_loss_trainer(AutoscaleTrainer)(model=_classifier(), autoscale_config=CONFIG, **kwargs)
+    trainer.train()
+    reference = _weighted_loss_trainer(Trainer)(model=_classifier(), **kwargs)
+    reference.train()
+    assert trainer.accelerator.autoscale_backend.records and trainer.accelerator.scaler.skipped_steps == 0
+    losses = _losses(trainer)
+    assert losses[-1] < losses[0] and losses == pytest.approx(_losses(reference), abs=2e-2)
+    start, got, want = _weights(_classifier()), _weights(trainer.model), _weights(reference.model)
+    moved = math.hypot(*(float(torch.linalg.vector_norm(want[k] - start[k])) for k in want))
+    error = math.hypot(*(float(torch.linalg.vector_norm(got[k] - want[k])) for k in want))
+    assert error < 0.05 * moved
+
+
+def test_a_loss_from_the_unwrapped_model_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    """``self.model(...)`` in ``compute_loss`` is not the compiled model: nothing would run in float16."""
+    trainer = _weighted_loss_trainer(AutoscaleTrainer, call="self.model")(
+        model=_classifier(), autoscale_config=CONFIG, train_dataset=_Labelled(), args=_args(tmp_path, max_steps=1))
+    with pytest.raises(RuntimeError, match=r"not self\.model"):
+        trainer.train()
+
+
 @pytest.mark.parametrize(("changes", "fix"), [
     ({"fp16": True}, "fp16=False"), ({"bf16": True}, "bf16=False"), ({"torch_compile": True}, "torch_compile=False"),
     ({"fp16_full_eval": True}, "fp16_full_eval=False"),
