@@ -252,6 +252,7 @@ def test_layer_scale_growing_a_thousandfold_in_one_step_does_not_overflow() -> N
     assert all(float(g.abs().min()) > 1e-4 for g in model.gammas)  # the case: they grew a hundredfold and more
 
 
+@pytest.mark.slow  # (fast twin: tests/benchmarks/test_zoo.py's MobileNetV2, every parameter given a gradient)
 def test_mobilenet_v2_trains_as_close_to_float32_as_torch_amp() -> None:
     """Issue 18's defect: MobileNetV2 (width 0.35, 64x64 images, batch 8, SGD lr 1e-3, 8 steps on one
     batch). Its depthwise convolutions' backward was predicted up to groups x stride^2 too large,

@@ -68,7 +68,7 @@ class ZooResult:
     compile_s: float = math.nan
     step_ms: dict[str, float] = field(default_factory=dict)  # method -> median step time after the first
     error: str = ""  # what stopped autoscale's run, if anything
-    missing: list[str] = field(default_factory=list)  # parameters float32 gives a gradient and autoscale none
+    missing: list[str] = field(default_factory=list)  # parameters float32 gives a gradient and autoscale none (or 0)
 
     def gap(self, method: str) -> float:
         """max over steps |loss - float32's| / float32's first loss (inf if any loss is not finite)."""
@@ -195,6 +195,15 @@ def _amp(model: nn.Module, batch: Batch, steps: int, ref: dict[str, torch.Tensor
             result.sqnr["torch.amp"] = sqnr
 
 
+def missing(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor | None]) -> list[str]:
+    """The parameters float32 gives a gradient that ``got`` lacks: none at all, or all zeros where
+    float32's is not rounding noise (above 2^-24 of the largest gradient's norm): underflowed to
+    nothing, as the layers whose scales were seeded too low did (issue 18's MobileNetV2)."""
+    largest = max((float(g.norm()) for g in ref.values()), default=0.0)
+    return sorted(name for name, g in ref.items()
+                  if (x := got.get(name)) is None or (not x.any() and float(g.norm()) > 2.0**-24 * largest))
+
+
 def _has_float_ops(gm: torch.fx.GraphModule) -> bool:
     for n in gm.graph.nodes:
         val = n.meta.get("example_value", n.meta.get("val"))
@@ -242,7 +251,7 @@ def _autoscale(model: nn.Module, batch: Batch, steps: int, ref: dict[str, torch.
                 scaler.unscale_(opt)
                 got = grads(model)
                 result.sqnr["autoscale"] = sqnr_db(ref, got)
-                result.missing = sorted(name for name in ref if got.get(name) is None)
+                result.missing = missing(ref, got)
                 first = len(backend.records)
                 result.graphs = sum(r.report.total > 0 for r in backend.records)
             scaler.step(opt)

@@ -126,7 +126,18 @@ def efficientnet(seed: int) -> tuple[nn.Module, Batch]:
     # scale it itself, and its default (2560, B7's) does not fit a narrower network
     cfg = T.EfficientNetConfig(image_size=IMAGE, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320,
                                num_labels=CLASSES, dropout_rate=0.0, drop_connect_rate=0.0)
-    return _vision(seed, lambda: T.EfficientNetForImageClassification(cfg))
+    return _vision(seed, lambda: _unit_norm_scales(T.EfficientNetForImageClassification(cfg)))
+
+
+def _unit_norm_scales(model: nn.Module) -> nn.Module:
+    """Batch norms' scales set to 1, as torchvision and most libraries start them. transformers'
+    EfficientNet draws them like its weights, from N(0, 0.02): each of its ~20 batch norms then
+    shrinks the features fifty-fold, so at initialization the classifier reads zeros, and every
+    gradient but the head's is 0 or ~1e-10 in float32 (a first step that tests nothing)."""
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+    return model
 
 
 def vit(seed: int) -> tuple[nn.Module, Batch]:

@@ -1,6 +1,8 @@
 """The training-framework benchmark (``python -m benchmarks.integrations``): its ``--quick`` run, end to end, in
-a subprocess as a user runs it, into a temporary path (about 30 s on 2 cores: eager executor, a few dozen
-steps), and the verdict rule the report applies."""
+a subprocess as a user runs it, into a temporary path (about 40 s on 2 cores: eager executor, a few dozen
+steps; marked slow), and the verdict rule the report applies. The fast twins of the run are the plugins'
+own ``Trainer.fit``/``Trainer.train``/Fabric/accelerate loops in tests/integrations, which check that each
+trains through the backend close to float32."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[
     return report.read_text(), json.loads(numbers.read_text())
 
 
+@pytest.mark.slow
 def test_every_run_finishes_with_a_finite_loss_and_float32_learns(quick_run: tuple[str, list[dict[str, Any]]]) -> None:
     _, runs = quick_run
     for r in runs:
@@ -53,6 +56,7 @@ def test_every_run_finishes_with_a_finite_loss_and_float32_learns(quick_run: tup
             assert r["final_loss"] < r["initial_loss"], where  # the reference trained: gaps mean something
 
 
+@pytest.mark.slow
 def test_autoscale_runs_went_through_the_backend(quick_run: tuple[str, list[dict[str, Any]]]) -> None:
     """A run that silently trained in float32 (the plugin or the Trainer not compiling the model) would
     still finish: the backend's records and the per-layer scales show the forward was rewritten."""
@@ -65,6 +69,7 @@ def test_autoscale_runs_went_through_the_backend(quick_run: tuple[str, list[dict
         assert r["skipped"] is not None
 
 
+@pytest.mark.slow
 def test_the_table_lists_every_framework_and_method(quick_run: tuple[str, list[dict[str, Any]]]) -> None:
     report, _ = quick_run
     rows = _table(report)

@@ -25,6 +25,7 @@ from benchmarks.zoo.compare import (  # noqa: E402
     compare,
     float32_grads,
     grads,
+    missing,
     sqnr_db,
 )
 from benchmarks.zoo.models import FAMILIES, MODELS, Batch, _images  # noqa: E402
@@ -43,6 +44,13 @@ def test_sqnr_of_all_gradients_as_one_vector() -> None:
     assert sqnr_db(ref, {"a": torch.tensor([3.0, 4.5]), "b": torch.tensor([0.0])}) == pytest.approx(20.0)
     assert sqnr_db(ref, {"a": torch.tensor([3.0, math.inf]), "b": None}) == -math.inf
     assert sqnr_db(ref, {"a": None, "b": None}) == pytest.approx(0.0)  # a missing gradient counts as zero
+
+
+def test_a_gradient_is_missing_when_none_or_underflowed_to_zeros() -> None:
+    ref = {"w": torch.tensor([3.0, 4.0]), "v": torch.tensor([1e-3]), "noise": torch.tensor([1e-17]),
+           "zero": torch.tensor([0.0])}
+    got = {"w": torch.tensor([3.0, 4.0]), "v": torch.tensor([0.0]), "noise": torch.tensor([0.0]), "zero": None}
+    assert missing(ref, got) == ["v", "zero"]  # (float32's rounding noise, gone in float16, is not missing)
 
 
 def test_the_bar_a_model_is_held_to() -> None:
@@ -70,6 +78,7 @@ def test_model_trains_as_close_to_float32_as_torch_amp(name: str) -> None:
     assert r.gap("autoscale") <= max(LOSS_GAP_TARGET, r.gap("torch.amp")), r.losses
     assert r.sqnr["autoscale"] >= r.sqnr["torch.amp"] - SQNR_SLACK_DB, r.sqnr
     assert r.skipped["autoscale"] == 0
+    assert not r.missing, r.missing  # (every parameter float32 gives a gradient gets one)
     assert not r.unknown_ops
     assert r.scaled_layers > 0
 
@@ -96,7 +105,7 @@ def _smaller(name: str, batch: Batch) -> Batch:
     return {k: v[:half, :length] if v.dim() == 2 else v[:half] for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("resnet", marks=pytest.mark.slow)])
 def test_a_new_shape_compiles_symbolic_and_its_step_is_as_accurate_as_torch_amp(name: str) -> None:
     """One model called at new shapes (a language model's batch size and sequence length, a CNN's
     batch size and image size): Dynamo's second compile has symbolic shapes, and every pass runs on
