@@ -189,7 +189,8 @@ class _AutoscaleMixin:
                          "with backend='autoscale')")
 
     def _attach(self, model: nn.Module) -> None:
-        """Create the scaler on the unwrapped module and compile it (``_compile``; once per module).
+        """Create the scaler on the unwrapped module and compile it, its forward and its ``_units``
+        (once per module).
 
         The order matters: ``GradScaler`` makes the forward announce its scale buffers (a marker
         op), and the compiled forward must contain that announcement, so compiling comes second."""
@@ -242,9 +243,9 @@ class _AutoscaleMixin:
         return units
 
     def _check_compiled(self) -> None:
-        """Refuse, at the first backward, a loss that did not come through the compiled forward:
-        training would silently run in float32 (``training_step`` calling submodules instead of
-        ``self(x)``, or a Fabric model called around the module ``fabric.setup`` returned)."""
+        """Refuse, at the first backward, a loss that no compiled graph computed: training would
+        silently run in float32 (a loss from parameters the LightningModule holds itself, or from a
+        submodule's method other than ``forward``)."""
         if self._verified:
             return
         _ = self.scaler  # (raises when the model was never set up)
