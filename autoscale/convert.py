@@ -159,6 +159,7 @@ class ConvertedModule(nn.Module):
     graph_module: GraphModule
     record: CompileRecord
     extra: dict[str, Any]
+    _source: GraphModule | None
 
     def __init__(self, module: nn.Module, graph_module: GraphModule, signature: _Signature, *,
                  record: CompileRecord, extra: Mapping[str, Any] | None = None,

@@ -2,7 +2,7 @@
 float32 step measures, as the same quantities.
 
 Why per layer: scales, reports and the graph diff speak of layers (module paths), while the
-analysis (``passes/analyze_underflow.py``) predicts per node. And why both sides: a prediction
+analysis (``autoscale/passes/analyze_underflow.py``) predicts per node. And why both sides: a prediction
 nothing checks drifts. :func:`predict_layers` reads the analysis' moments off the nodes;
 :func:`measure_layers` runs the graph once in float32 and computes the same numbers from the real
 tensors, node for node, layer for layer. ``benchmarks/prediction.py`` compares the two on the test

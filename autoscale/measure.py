@@ -22,7 +22,7 @@ Why one op per point: each point's update of ``stats`` written as tensor ops (a 
 ``where``, a ``select_scatter`` per row) made the statistics the bulk of the compiled backward —
 a chain through one tensor that Inductor rewrote in full at every point: 3,000 of the 4,000 nodes
 of a 1+1-layer T5's backward, and 23 s of its 80 s compile on this CPU. As one functional op per
-point, the joint-stage pass ``passes/batch_records.py`` folds a whole graph's records at once,
+point, the joint-stage pass ``autoscale/passes/batch_records.py`` folds a whole graph's records at once,
 into one small gather at the end of the backward; run eagerly (``autoscale.convert``, the tests),
 ``record`` folds one point's values itself.
 
@@ -59,7 +59,7 @@ LOSS_ROW = 0
 """The row of the scale the loss's gradient starts with: 1, always (a layer's row is never row 0,
 ``update`` keeps it, and the scaler multiplies the loss outside the graphs). So eagerly a point does
 not read it: a scale it would take the largest of with others is a ``clamp_min(1)`` (``_max_of``);
-a compiled graph's reduction over a set's rows reads it as the 1 it is (``passes/batch_row_reads.py``)."""
+a compiled graph's reduction over a set's rows reads it as the 1 it is (``autoscale/passes/batch_row_reads.py``)."""
 ANY_NONFINITE = STAT["amax"]
 """The cell of row 0 (the loss scale's, which no rule moves and no point measures) that holds
 whether any point saw a non-finite value: ``GradScaler.step`` reads this one value (flat index)."""
@@ -77,7 +77,7 @@ BAD = 5  # 1 if either, else 0; max
 
 Call = Callable[..., Any]
 """How a mode's reading is computed: ``call(aten_op, *args, **kwargs)`` runs the op (``fold``) or
-adds it to a graph (``passes/batch_records.py``), so that both read a value from one definition."""
+adds it to a graph (``autoscale/passes/batch_records.py``), so that both read a value from one definition."""
 
 
 class Form(NamedTuple):
@@ -95,7 +95,7 @@ class Form(NamedTuple):
     writes the output."""
     parts: int
     """The most partial results a reduction over a whole value hands to the fold (``largest``,
-    ``counted``), which reduces them for every point at once (``passes/batch_records.py``); 1 is a
+    ``counted``), which reduces them for every point at once (``autoscale/passes/batch_records.py``); 1 is a
     full reduction. Inductor splits a GPU's full reduction of a large value into two launches,
     partial results then their reduction: handed as partial results, the first is fused into the
     value's producer and the second is the fold's. On the CPU a full reduction is one loop of the
@@ -111,7 +111,7 @@ class Form(NamedTuple):
     its own beside each of those (a GPU step of T5 1+1: 236 launches against 200 by rows, and
     torch.amp's 177: ``benchmarks.kernel_counts``). A value of more rows is split as ``parts``
     says: the fold gathers every value's partial results side by side, padded to the most any
-    hands on (``passes/batch_records.py``)."""
+    hands on (``autoscale/passes/batch_records.py``)."""
     fused_update: bool = False
     """The scaler's update runs as one Triton launch (``autoscale.kernels.update``), where Inductor
     made it seven kernels on a GPU (``autoscale.update.CompiledUpdate``). On the CPU Inductor makes
@@ -138,11 +138,11 @@ def _partial(x: torch.Tensor) -> torch.Tensor | None:
     """``x``'s elements in memory order as ``[parts, -1]``, for a reduction over all of them to hand
     on as partial results (``_parts``). None where that would be one part, and for a value whose
     size or layout is symbolic, or whose elements are not dense in memory (its partial results
-    would read it through a copy; whole, ``passes/reduce_at_source.py`` has it read its source).
+    would read it through a copy; whole, ``autoscale/passes/reduce_at_source.py`` has it read its source).
     A value laid out in another order (a channels-last gradient) is read in its own, which no
     reduction over all of it depends on. Traced, the order is the one Inductor will lay the value
     out in, which it decides after the trace: ``partials`` marks the reshape for
-    ``passes/lay_out_partials.py``."""
+    ``autoscale/passes/lay_out_partials.py``."""
     form, n = form_of(x.device), x.numel()
     if form.parts <= 1 or not isinstance(n, int) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
         return None
@@ -195,7 +195,7 @@ def is_dense(x: torch.Tensor) -> bool:
 
 def _partials(x: torch.Tensor, parts: int) -> torch.Tensor:
     """``x``'s elements in memory order as ``[parts, -1]``: what ``_partial`` hands a reduction,
-    as one op. Traced into a compiled graph, ``passes/lay_out_partials.py`` replaces it by a view of
+    as one op. Traced into a compiled graph, ``autoscale/passes/lay_out_partials.py`` replaces it by a view of
     ``x`` in the order Inductor will lay ``x`` out in, which it decides after the trace (a GPU's
     convolutions channels-last, by its heuristics): its partial results are then read in memory
     order, coalesced, and in the kernel that writes ``x``. Any order gives the same reduction over
@@ -409,7 +409,7 @@ def _overflow_threshold(dtype: torch.dtype) -> float:
 def _set_scale(scales: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """The largest scale of ``rows`` (``_max_of``) in a 0-dim tensor of its own: what a point reads
     when traced (``torch.ops.autoscale.set_scale``), one op per read, so that the joint-stage pass
-    ``passes/batch_row_reads.py`` finds a graph's reads and computes each distinct set once, as a
+    ``autoscale/passes/batch_row_reads.py`` finds a graph's reads and computes each distinct set once, as a
     reduction of its own that the points' kernels receive as an argument (why: that module). Left
     ungathered (a joint stage without the pass), each read runs as an op and computes the same.
     Defined through ``torch.library.Library`` rather than ``custom_op``, whose Python wrapper
@@ -582,7 +582,7 @@ def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[in
 def record(stats: torch.Tensor, values: list[torch.Tensor], cells: list[int], modes: list[int],
            scales: list[torch.Tensor | None], bounds: list[float]) -> torch.Tensor:
     """``fold(stats, values, cells, modes, scales, bounds)`` as one op: a point's measurements,
-    which ``passes/batch_records.py`` gathers with the graph's other points into one fold."""
+    which ``autoscale/passes/batch_records.py`` gathers with the graph's other points into one fold."""
     return fold(stats, values, cells, modes, scales, bounds)
 
 

@@ -24,10 +24,10 @@ Statistics are normalized by the scale the gradient arrived with, so the update 
 magnitudes at unit scale and needs no knowledge of the graph.
 
 ``watch(x, peaks, slot)`` is the forward's overflow check: it folds ``max |x|`` into one slot of
-the scaler's ``peaks`` (``passes/insert_overflow_checks.py``).
+the scaler's ``peaks`` (``autoscale/passes/insert_overflow_checks.py``).
 
 ``emulated(op, dtype, *args, **kwargs)`` is a low-precision op computed in float32: what
-``Config(compute="emulate")`` turns every low-precision GEMM into (``passes/emulate_compute.py``).
+``Config(compute="emulate")`` turns every low-precision GEMM into (``autoscale/passes/emulate_compute.py``).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def watch(x: torch.Tensor, peaks: torch.Tensor, slot: int) -> None:
     NaN propagates through ``amax`` and the fold's max, so one reduction tells all three things the
     scaler asks: non-finite (inf or nan), near float16's max, and the measured peak. The reduction
     is fused by Inductor into the kernel that produces ``x``; the slot is written through
-    ``autoscale.measure.record``, which ``passes/batch_records.py`` folds with the graph's other
+    ``autoscale.measure.record``, which ``autoscale/passes/batch_records.py`` folds with the graph's other
     checks into one update of ``peaks`` at the end of the forward.
 
     The maximum is a one-element vector (``autoscale.measure.largest``): Inductor writes it straight

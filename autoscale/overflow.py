@@ -1,7 +1,7 @@
 """Forward overflow at run time: the watched sites, what a step's peaks say, and the repairs.
 
 The compiled forward folds ``max |x|`` of every watched value into a slot of the scaler's
-``peaks`` buffer (``autoscale.ops.watch``, inserted by ``passes/insert_overflow_checks.py``). This
+``peaks`` buffer (``autoscale.ops.watch``, inserted by ``autoscale/passes/insert_overflow_checks.py``). This
 module is the host side: :class:`ForwardSites` keeps which site each slot is (a graph node, named
 by module path and op) and which sites were promoted to float32; :func:`diagnose` reads one step's
 peaks and says which sites overflowed first (not merely downstream of another), which came near

@@ -1,6 +1,6 @@
 """Fake quantization for cyclic precision training, and float8 with per-node scales.
 
-The functions here are what ``passes/insert_fake_quant.py`` puts in the graph. They are plain
+The functions here are what ``autoscale/passes/insert_fake_quant.py`` puts in the graph. They are plain
 torch (as ``ops.rescale`` is): AOTAutograd traces them into ATen, so Inductor fuses them into the
 kernels around them, and their arithmetic is its own test oracle.
 

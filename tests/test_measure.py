@@ -73,7 +73,7 @@ def test_a_gpus_reductions_follow_a_values_rows_in_memory() -> None:
 
 class _Attention(nn.Module):
     """Q, K and V projections split into heads, each copied for the next GEMM (as T5's): a GPU's
-    checks of the projections read the copies (``passes/lay_out_partials.py``)."""
+    checks of the projections read the copies (``autoscale/passes/lay_out_partials.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -148,7 +148,7 @@ def test_a_gpus_form_trains_a_cnn_and_attention_as_the_cpus(monkeypatch: pytest.
                                                             executor: Literal["inductor", "eager"]) -> None:
     """The same for a CNN whose values Inductor lays out channels-last (oneDNN's rule on a CPU), and
     with them the GPU's form's partial results, and for an attention whose checks of its Q, K and V
-    read the copies the next GEMMs read (``passes/lay_out_partials.py``): statistics and layer
+    read the copies the next GEMMs read (``autoscale/passes/lay_out_partials.py``): statistics and layer
     reports bit for bit. The parameters only as one graph run by two executors: Inductor fuses and
     orders some reductions otherwise in the two forms (the CNN's batch norms' backward: the last bits
     of four of its eight parameters, with the partials in either layout). The attention under

@@ -60,7 +60,7 @@ def test_a_cnn_is_laid_out_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_wide_cnns_partial_results_are_read_in_its_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU lays the wide CNN out channels-last. Its points' and checks' partial results read so
-    (``passes/lay_out_partials.py``) join the kernels that write their values: fewer launches than
+    (``autoscale/passes/lay_out_partials.py``) join the kernels that write their values: fewer launches than
     read in the traced NCHW order, as before the pass."""
     laid_out = count("wide CNN", "quick", (A_GPU,))[A_GPU]
     lay_out = importlib.import_module("autoscale.passes.lay_out_partials")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch.fx import GraphModule
 
 import autoscale
-from autoscale.passes import InvariantError, PassResult, PassSpec, run_stage
+from autoscale.passes import PIPELINE, InvariantError, PassResult, PassSpec, check_order, run_stage
 from autoscale.passes.graph_utils import provenance, retyped
 from tests.helpers import capture
 from tests.models import mlp_case
@@ -80,3 +83,32 @@ def test_stage_filter_and_unmodified_pass_is_not_relinted() -> None:
     records = run_stage(_graph(), autoscale.Config(), "dynamo",
                         [PassSpec(looks, "dynamo"), PassSpec(looks, "joint")])
     assert len(calls) == 1 and [r.stage for r in records] == ["dynamo"]
+
+
+def test_the_pipeline_keeps_the_order_its_passes_declare() -> None:
+    """Every reordering of the pipeline that breaks a declared constraint is refused, naming it."""
+    check_order(PIPELINE)
+    dynamo = [spec for spec in PIPELINE if spec.stage == "dynamo"]
+    joint = [spec for spec in PIPELINE if spec.stage == "joint"]
+    assert any(spec.after for spec in dynamo) and any(spec.after for spec in joint)
+    for stage in (dynamo, joint):
+        for i in range(len(stage) - 1):
+            swapped = [*stage[:i], stage[i + 1], stage[i], *stage[i + 2:]]
+            constrained = stage[i].name in stage[i + 1].after or stage[i + 1].last
+            if constrained:
+                with pytest.raises(ValueError, match=f"{stage[i + 1].name!r}"):
+                    check_order(swapped)
+            else:
+                check_order(swapped)
+    with pytest.raises(ValueError, match="run last"):
+        check_order([*dynamo[:-2], dynamo[-1], dynamo[-2]])
+    with pytest.raises(ValueError, match="does not have"):
+        check_order([spec for spec in dynamo if spec.name != "analyze_underflow"])
+
+
+def test_the_readmes_pipeline_is_the_pipeline() -> None:
+    """The diagram in README.md's "How it works" names the passes in the pipeline's order."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    diagram = readme.split("## How it works", 1)[1].split("```")[1]
+    names = {spec.name for spec in PIPELINE}
+    assert [w for w in re.findall(r"\w+", diagram) if w in names] == [spec.name for spec in PIPELINE]

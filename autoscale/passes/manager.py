@@ -38,7 +38,7 @@ from .graph_utils import PROVENANCE_KEY, tensor_val
 if TYPE_CHECKING:
     from autoscale.config import Config
 
-__all__ = ["InvariantError", "PassRecord", "PassResult", "PassSpec", "Stage", "run_stage"]
+__all__ = ["InvariantError", "PassRecord", "PassResult", "PassSpec", "Stage", "check_order", "run_stage"]
 
 log = logging.getLogger("autoscale.passes")
 
@@ -61,14 +61,38 @@ PassFn = Callable[[GraphModule, "Config"], PassResult]
 
 @dataclass(frozen=True)
 class PassSpec:
-    """One entry of the pipeline: a pass and the stage it runs at."""
+    """One entry of the pipeline: a pass, the stage it runs at, and its order constraints:
+    ``after``, the passes of its stage that must run before it (when the pipeline has them), and
+    ``last``, that every other pass of its stage must. ``check_order`` checks them, as
+    ``torch.fx.passes.infra``'s pass manager checks its constraints."""
 
     fn: PassFn
     stage: Stage
+    after: tuple[str, ...] = ()
+    last: bool = False
 
     @property
     def name(self) -> str:
         return self.fn.__name__
+
+
+def check_order(pipeline: Sequence[PassSpec]) -> None:
+    """Raise ``ValueError`` naming the pair when a pass of ``pipeline`` runs before one it must
+    follow (``PassSpec.after``, ``PassSpec.last``), or follows a name no pass of its stage has."""
+    for stage in dict.fromkeys(spec.stage for spec in pipeline):
+        specs = [spec for spec in pipeline if spec.stage == stage]
+        names = [spec.name for spec in specs]
+        for i, spec in enumerate(specs):
+            for earlier in spec.after:
+                if earlier not in names:
+                    raise ValueError(f"pass {spec.name!r} ({stage} stage) must run after {earlier!r}, which the "
+                                     "stage does not have")
+                if earlier not in names[:i]:
+                    raise ValueError(f"pass {spec.name!r} ({stage} stage) must run after {earlier!r}, but runs "
+                                     "before it")
+            if spec.last and i != len(specs) - 1:
+                raise ValueError(f"pass {spec.name!r} must run last in the {stage} stage, but {names[i + 1]!r} "
+                                 "runs after it")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,86 @@
+"""autoscale's graph passes, one per module, and the pipeline that orders them.
+
+Installed as ``autoscale.passes``. Each pass is ``verb_noun(gm, cfg) -> PassResult`` and rewrites
+``gm`` in place; ``run_stage`` (the pass manager) runs them and checks the invariants listed in
+README.md beside this file.
+"""
+
+from __future__ import annotations
+
+from .analyze_underflow import analyze_underflow
+from .batch_records import batch_records
+from .batch_row_reads import batch_row_reads
+from .convert_precision import convert_precision
+from .emulate_compute import emulate_compute
+from .fold_casts import fold_casts
+from .insert_fake_quant import insert_fake_quant
+from .insert_grad_scaling import insert_grad_scaling
+from .insert_overflow_checks import insert_overflow_checks
+from .lay_out_partials import lay_out_partials
+from .manager import InvariantError, PassRecord, PassResult, PassSpec, Stage, check_order, run_stage
+from .predict_overflow import predict_overflow
+from .reduce_at_source import reduce_at_source
+from .remove_inplace import remove_inplace
+from .rewrite_avg_pool import rewrite_avg_pool
+
+__all__ = [
+    "PIPELINE",
+    "InvariantError",
+    "PassRecord",
+    "PassResult",
+    "PassSpec",
+    "analyze_underflow",
+    "batch_records",
+    "batch_row_reads",
+    "Stage",
+    "check_order",
+    "convert_precision",
+    "emulate_compute",
+    "fold_casts",
+    "insert_fake_quant",
+    "insert_grad_scaling",
+    "insert_overflow_checks",
+    "lay_out_partials",
+    "predict_overflow",
+    "reduce_at_source",
+    "remove_inplace",
+    "rewrite_avg_pool",
+    "run_stage",
+]
+
+PIPELINE: tuple[PassSpec, ...] = (
+    # Dynamo's torch-level graph, before autograd: what is computed in which dtype.
+    PassSpec(remove_inplace, "dynamo"),
+    # (the analysis and the painting see the mean a pool is rewritten to)
+    PassSpec(rewrite_avg_pool, "dynamo"),
+    # (which values float16 cannot hold, before the painting keeps them in float32)
+    PassSpec(predict_overflow, "dynamo", after=("rewrite_avg_pool",)),
+    PassSpec(convert_precision, "dynamo", after=("rewrite_avg_pool", "predict_overflow")),
+    # (the analysis follows values through the dtypes the painting chose)
+    PassSpec(analyze_underflow, "dynamo", after=("rewrite_avg_pool", "convert_precision")),
+    # (the points are seeded with the analysis' scales and moments)
+    PassSpec(insert_grad_scaling, "dynamo", after=("analyze_underflow",)),
+    # (gradients are scaled, then rounded)
+    PassSpec(insert_fake_quant, "dynamo", after=("insert_grad_scaling",)),
+    PassSpec(fold_casts, "dynamo", after=("convert_precision",)),
+    # (the passes before see each op itself, not its emulation)
+    PassSpec(emulate_compute, "dynamo", after=("convert_precision", "analyze_underflow", "insert_grad_scaling",
+                                               "insert_fake_quant", "fold_casts")),
+    # (no other pass sees the checks as users of the values they watch)
+    PassSpec(insert_overflow_checks, "dynamo", last=True),
+    # AOTAutograd's joint forward+backward ATen graph, before partitioning.
+    PassSpec(fold_casts, "joint"),
+    # (the points' and checks' maxima read their sources in memory order)
+    PassSpec(reduce_at_source, "joint"),
+    # (one fold of the rescale points' statistics per graph)
+    PassSpec(batch_records, "joint"),
+    # (each set of rows' scale computed once, in the graph; after the fold, which reads a point's
+    # scale from its own read)
+    PassSpec(batch_row_reads, "joint", after=("batch_records",)),
+    # (a GPU's partial results read as Inductor will lay their values out; after the fold, since a
+    # partial reduction read from a GEMM's copy moves after that GEMM)
+    PassSpec(lay_out_partials, "joint", after=("batch_records", "batch_row_reads"), last=True),
+)
+"""The pipeline, in order; ``check_order`` checks the order each pass declares."""
+
+check_order(PIPELINE)
