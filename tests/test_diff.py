@@ -742,3 +742,16 @@ def test_the_page_of_a_12_layer_gpt2_stays_small_and_opens_fast(tmp_path: Path, 
     assert dom.count("forward", "node") > 80 * blocks  # (#all: the rows are there)
     summary = d.to_text(summary_only=True)
     assert len(summary.splitlines()) < len(d.layers) + 20 and f"transformer.h.{blocks - 1}.mlp.c_proj" in summary
+
+
+def test_the_model_imports_none_of_its_renderers() -> None:
+    """The renderers depend on the data model, not the other way round: a new format is a new
+    module, and the model's ``to_*`` methods hand the diff to the renderers only when called."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("autoscale.diff.model")
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(Path(spec.origin).read_text())
+    top_level = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in top_level if m and m.endswith("_format")}, top_level

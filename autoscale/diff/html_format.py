@@ -21,11 +21,11 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from autoscale.diff.model import GraphDiff, LayerRow, NodeEntry
 from autoscale.diff.notes import layer_cells, map_columns, scale_note, share_text, summary_details
 from autoscale.ops import FP16_MAX
 
 if TYPE_CHECKING:
-    from autoscale.diff.model import GraphDiff, LayerRow, NodeEntry
     from autoscale.layer_numbers import LayerNumbers
 
 __all__ = ["render_html"]

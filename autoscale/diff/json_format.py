@@ -12,16 +12,17 @@ import math
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from autoscale.diff.model import (
+    GraphDiff,
+    GraphSection,
+    LayerRow,
+    NodeEntry,
+    OverflowDecision,
+    Provenance,
+    ScaleInfo,
+)
+
 if TYPE_CHECKING:
-    from autoscale.diff.model import (
-        GraphDiff,
-        GraphSection,
-        LayerRow,
-        NodeEntry,
-        OverflowDecision,
-        Provenance,
-        ScaleInfo,
-    )
     from autoscale.inspect import Island
     from autoscale.layer_numbers import LayerNumbers
 

@@ -12,10 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from autoscale.diff.html_format import render_html
-from autoscale.diff.json_format import render_json
 from autoscale.diff.notes import share_text
-from autoscale.diff.text_format import render_text
 from autoscale.inspect import Island
 from autoscale.layer_numbers import LayerNumbers
 from autoscale.report import LayerSummary
@@ -99,7 +96,7 @@ class NodeEntry:
     scale 1 (forward nodes). ``scale`` is set on forward rescale nodes; ``scale_op`` names the
     forward rescale node a backward node belongs to. Kind "check" is a forward-overflow check
     (``autoscale.ops.watch``) and kind "stats" a node of the fold of the rescale points'
-    statistics (``passes/batch_records.py``): they compute nothing the model reads, so the
+    statistics (``autoscale/passes/batch_records.py``): they compute nothing the model reads, so the
     renderings mute them.
     """
 
@@ -307,16 +304,22 @@ class GraphDiff:
         nodes, which would drown the rest of the backward. ``summary_only``: the summary and the
         map alone, which fit a terminal where the node diff runs to thousands of lines.
         """
+        from autoscale.diff.text_format import render_text  # (the renderers depend on the model, not back)
+
         return render_text(self, color=color, backward_only=backward_only, expand=expand_scale_ops,
                            summary_only=summary_only)
 
     def to_json(self, *, backward_only: bool = False) -> dict[str, Any]:
         """A JSON-ready dict that validates against ``autoscale/diff/schema.json`` (see :func:`schema`)."""
+        from autoscale.diff.json_format import render_json
+
         return render_json(self, backward_only=backward_only)
 
     def to_html(self, *, backward_only: bool = False) -> str:
         """One self-contained HTML page (inline CSS and JS, no network): before and after side by
         side, inserted casts and rescale points highlighted, the numbers on hover and in tables."""
+        from autoscale.diff.html_format import render_html
+
         return render_html(self, backward_only=backward_only)
 
     def __str__(self) -> str:

@@ -10,12 +10,9 @@ they only watch a value).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from autoscale.diff.model import GraphDiff, NodeEntry
 from autoscale.diff.notes import layer_cells, map_columns, scale_note, summary_details
-
-if TYPE_CHECKING:
-    from autoscale.diff.model import GraphDiff, NodeEntry
 
 __all__ = ["render_text"]
 
