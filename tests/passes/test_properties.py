@@ -168,4 +168,4 @@ def test_random_graphs_joint_stage(net: tuple[list[str], int]) -> None:
 
 @pytest.mark.parametrize("stage", ["dynamo", "joint"])
 def test_fold_runs_in_both_stages(stage: str) -> None:
-    assert PassSpec(fold_casts, stage) in PIPELINE  # type: ignore[arg-type]
+    assert any(spec.fn is fold_casts and spec.stage == stage for spec in PIPELINE)
