@@ -7,6 +7,7 @@ with Inductor: ``python -m benchmarks.zoo`` (docs/results/zoo.md)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -105,6 +106,16 @@ def _smaller(name: str, batch: Batch) -> Batch:
     return {k: v[:half, :length] if v.dim() == 2 else v[:half] for k, v in batch.items()}
 
 
+def _telling_shapes(inner: autoscale.Backend, shapes: list[str]) -> Callable[..., object]:
+    """``inner``, appending to ``shapes`` whether each graph it compiles has static or symbolic sizes."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        shapes.append("symbolic" if symbolic(gm) else "static")
+        return inner(gm, example_inputs)
+
+    return backend
+
+
 @pytest.mark.slow  # (its fast twin: the next test, Llama at new batch sizes and lengths)
 @pytest.mark.parametrize("name", ["gpt2", "resnet"])
 def test_a_new_shape_compiles_symbolic_and_its_step_is_as_accurate_as_torch_amp(name: str) -> None:
@@ -116,11 +127,8 @@ def test_a_new_shape_compiles_symbolic_and_its_step_is_as_accurate_as_torch_amp(
     other = _smaller(name, batch)
     torch._dynamo.reset()
     inner = autoscale.backend(autoscale.Config(executor="eager"))
-    shapes = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
-        shapes.append("symbolic" if symbolic(gm) else "static")
-        return inner(gm, example_inputs)
+    shapes: list[str] = []
+    backend = _telling_shapes(inner, shapes)
 
     scaler = autoscale.GradScaler(model)
     compiled = torch.compile(model, backend=backend)
@@ -156,10 +164,7 @@ def test_new_sequence_lengths_recompile_once_and_eager_attention_trains() -> Non
     torch._dynamo.reset()
     inner = autoscale.backend(autoscale.Config(executor="eager"))
     shapes: list[str] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
-        shapes.append("symbolic" if symbolic(gm) else "static")
-        return inner(gm, example_inputs)
+    backend = _telling_shapes(inner, shapes)
 
     scaler = autoscale.GradScaler(model)
     compiled = torch.compile(model, backend=backend)
