@@ -42,10 +42,10 @@ from typing import Any, NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["ACCELERATOR_FORM", "ANY_NONFINITE", "ARRIVED", "BAD", "FORMS", "LOSS_ROW", "MADE", "MAX", "MODES",
-           "NUM_STATS", "PEAK", "STAT", "SUM", "Form", "Measured", "counted", "fold", "form_of", "is_dense", "largest",
-           "memory_order", "partials", "point_backward", "reading", "record", "rescaled", "scale_and_measure",
-           "set_scale", "taken", "traced", "whole"]
+__all__ = ["ACCELERATOR_FORM", "ANY_NONFINITE", "ARRIVED", "BAD", "FORMS", "LOSS_ROW", "MADE", "MAX",
+           "MODES", "NUM_STATS", "PEAK", "STAT", "SUM", "Form", "Measured", "counted", "fold", "form_of", "is_dense",
+           "largest", "measured_point", "memory_order", "partials", "point_backward", "reading", "record",
+           "rescaled", "scale_and_measure", "set_scale", "taken", "traced", "whole"]
 
 aten = torch.ops.aten
 
@@ -446,7 +446,7 @@ def traced(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or (type(t) is not torch.Tensor and is_fake(t))
 
 
-def _scale_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+def _scale_of(scales: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     """The largest scale of ``rows`` (``_max_of``): traced for a compiled graph, ``set_scale`` of the
     rows in order, each once (so that equal sets are one read; see ``_set_scale``); run eagerly
     (``autoscale.convert``), ``_max_of``'s selects, free where a copy would be paid at every point.
@@ -458,7 +458,7 @@ def _scale_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
     return _max_of(scales, rows)
 
 
-def _max_of(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+def _max_of(scales: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     """The largest of the scales of ``rows`` (1 for none); the loss row's, 1 (``LOSS_ROW``), is not
     read: where it is one of them, the others' largest is clamped at 1. (Read, it was a kernel
     argument of every point next to the loss or the residual stream, 61 nodes of a 1+1-layer T5's
@@ -475,7 +475,19 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
                    in_rows: tuple[int, ...], record_rows: tuple[int, ...], unscale: bool, moments: bool,
                    fused: bool = False, *, blame: bool = True) -> torch.Tensor:
     """The backward of ``autoscale.ops.rescale``: the gradient it hands on; ``stats`` gets the
-    point's measurements (``record``).
+    point's measurements (``measured_point``, written in place)."""
+    out, recorded = measured_point(grad, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused,
+                                   blame=blame)
+    if recorded is not None:
+        stats.copy_(recorded)
+    return out
+
+
+def measured_point(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: Sequence[int],
+                   in_rows: Sequence[int], record_rows: Sequence[int], unscale: bool, moments: bool,
+                   fused: bool = False, *, blame: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``point_backward`` as a function: the gradient it hands on, and ``stats`` with the point's
+    measurements recorded (``record``), or None where it records nothing.
 
     The gradient arrives carrying the scale of ``in_rows`` and leaves carrying that of
     ``out_rows``. Rows in ``record_rows`` get its largest magnitude (a bias's unscale point
@@ -534,9 +546,7 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
                 assert m.zeros is not None
                 put(row, "zeros", m.zeros, SUM)
                 put(row, "numel", elements, SUM)  # type: ignore[arg-type]
-    if values:
-        stats.copy_(record(stats, values, cells, modes, out_scales, bounds))
-    return out
+    return out, record(stats, values, cells, modes, out_scales, bounds) if values else None
 
 
 def rescaled(grad: torch.Tensor, scales: torch.Tensor, out_rows: tuple[int, ...], in_rows: tuple[int, ...]

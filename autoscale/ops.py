@@ -23,6 +23,9 @@ nothing else.
 Statistics are normalized by the scale the gradient arrived with, so the update rule sees
 magnitudes at unit scale and needs no knowledge of the graph.
 
+``point(grad, scales, stats, ...)`` is a measured point's backward as one op, as a compiled
+backward's trace takes it; the joint-stage pass ``autoscale/passes/expand_points.py`` writes it out.
+
 ``watch(x, peaks, slot)`` is the forward's overflow check: it folds ``max |x|`` into one slot of
 the scaler's ``peaks`` (``autoscale/passes/insert_overflow_checks.py``).
 
@@ -35,15 +38,17 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import sys
 from typing import Any, NamedTuple
 
 import torch
 
-from autoscale.measure import MAX, NUM_STATS, STAT, largest, point_backward, record, rescaled, traced
+from autoscale.measure import MAX, NUM_STATS, STAT, largest, measured_point, point_backward, record, rescaled, traced
 
 __all__ = [
     "E4M3_MAX", "E5M2_MAX", "FP16_MAX", "LAYOUT_SEP", "NUM_STATS", "PROMOTED_SEP", "SCALE_RANGE", "STAT", "Attached",
-    "attach", "emulated", "gradient_max", "headroom", "identity_output", "rescale", "resolve", "watch",
+    "attach", "emulated", "gradient_max", "headroom", "identity_output", "point", "rescale", "resolve",
+    "trace_decompositions", "watch",
 ]
 
 FP16_MAX = 65504.0
@@ -148,6 +153,58 @@ def identity_output(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._unsafe_view(x, x.shape) if traced(x) else x.view_as(x)
 
 
+def _point(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: list[int], in_rows: list[int],
+           record_rows: list[int], unscale: bool, moments: bool, fused: bool, blame: bool, decompositions: str
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``measured_point`` as one op (``torch.ops.autoscale.point``), ``stats`` as it was where the
+    point records nothing: how a compiled backward's trace takes a measured point, whose ~20 ops
+    the joint-stage pass ``autoscale/passes/expand_points.py`` writes out afterwards (why: that
+    module), with the ``decompositions`` the trace applies (``DECOMPOSITIONS``). Left as it is (a
+    joint stage without the pass), it runs as an op and computes the same."""
+    out, recorded = measured_point(grad, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused,
+                                   blame=blame)
+    return out, stats.clone() if recorded is None else recorded
+
+
+def _point_fake(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: list[int],
+                in_rows: list[int], record_rows: list[int], unscale: bool, moments: bool, fused: bool, blame: bool,
+                decompositions: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(grad), torch.empty_like(stats)
+
+
+DECOMPOSITIONS = ("none", "inductor")
+"""The decompositions a trace may apply that a point op can name: none (AOTAutograd's own, the
+eager executor's), or Inductor's (``select_decomp_table``)."""
+
+
+def trace_decompositions() -> str | None:
+    """Which of ``DECOMPOSITIONS`` the trace running now applies; None when it is another table, or
+    this torch's tracer does not say (a point is then traced op by op, as before the point op)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    table = getattr(get_proxy_mode(), "decomposition_table", None)
+    if table is None:
+        return None
+    own = _without_sym_numel(table)  # (which ``make_fx`` adds to every table)
+    if not own:
+        return "none"
+    inductor = sys.modules.get("torch._inductor.decomposition")
+    return "inductor" if inductor is not None and own == _without_sym_numel(inductor.select_decomp_table()) else None
+
+
+def _without_sym_numel(table: dict[Any, Any]) -> dict[Any, Any]:
+    return {op: fn for op, fn in table.items() if op is not torch.ops.aten.sym_numel.default}
+
+
+_LIBRARY = torch.library.Library("autoscale", "FRAGMENT")
+_LIBRARY.define("point(Tensor grad, Tensor scales, Tensor stats, int[] out_rows, int[] in_rows, int[] record_rows, "
+                "bool unscale, bool moments, bool fused, bool blame, str decompositions) -> (Tensor, Tensor)")
+_LIBRARY.impl("point", _point, "CompositeExplicitAutograd")
+torch.library.register_fake("autoscale::point", _point_fake, lib=_LIBRARY)
+
+point = torch.ops.autoscale.point.default
+
+
 class _Rescale(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor,
@@ -162,9 +219,16 @@ class _Rescale(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (scales,) = ctx.saved_tensors
-        out_rows, in_rows, _, unscale, *_ = ctx.rows
+        out_rows, in_rows, _, unscale, _, fused = ctx.rows
         if not ctx.measured and not unscale:
             return rescaled(grad, scales, out_rows, in_rows), *_NO_GRADS
+        if traced(grad) and not fused and (decompositions := trace_decompositions()) is not None:
+            # (one op in the trace: ``autoscale/passes/expand_points.py``; the fused kernel's launch is
+            # a ``triton_op``, which only the trace's functionalization writes out as its kernel)
+            out, recorded = point(grad, scales, ctx.stats, *map(list, ctx.rows[:3]), *ctx.rows[3:], ctx.measured,
+                                  decompositions)
+            ctx.stats.copy_(recorded)
+            return out, *_NO_GRADS
         return point_backward(grad, scales, ctx.stats, *ctx.rows, blame=ctx.measured), *_NO_GRADS
 
 

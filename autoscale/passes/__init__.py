@@ -12,6 +12,7 @@ from .batch_records import batch_records
 from .batch_row_reads import batch_row_reads
 from .convert_precision import convert_precision
 from .emulate_compute import emulate_compute
+from .expand_points import expand_points
 from .fold_casts import fold_casts
 from .insert_fake_quant import insert_fake_quant
 from .insert_grad_scaling import insert_grad_scaling
@@ -36,6 +37,7 @@ __all__ = [
     "check_order",
     "convert_precision",
     "emulate_compute",
+    "expand_points",
     "fold_casts",
     "insert_fake_quant",
     "insert_grad_scaling",
@@ -69,11 +71,13 @@ PIPELINE: tuple[PassSpec, ...] = (
     # (no other pass sees the checks as users of the values they watch)
     PassSpec(insert_overflow_checks, "dynamo", last=True),
     # AOTAutograd's joint forward+backward ATen graph, before partitioning.
-    PassSpec(fold_casts, "joint"),
+    # (the points' backward as the ops it computes, which the trace took as one op each)
+    PassSpec(expand_points, "joint"),
+    PassSpec(fold_casts, "joint", after=("expand_points",)),
     # (the points' and checks' maxima read their sources in memory order)
-    PassSpec(reduce_at_source, "joint"),
+    PassSpec(reduce_at_source, "joint", after=("expand_points",)),
     # (one fold of the rescale points' statistics per graph)
-    PassSpec(batch_records, "joint"),
+    PassSpec(batch_records, "joint", after=("expand_points",)),
     # (each set of rows' scale computed once, in the graph; after the fold, which reads a point's
     # scale from its own read)
     PassSpec(batch_row_reads, "joint", after=("batch_records",)),
