@@ -180,9 +180,13 @@ eager executor's), or Inductor's (``select_decomp_table``)."""
 def trace_decompositions() -> str | None:
     """Which of ``DECOMPOSITIONS`` the trace running now applies; None when it is another table, or
     this torch's tracer does not say (a point is then traced op by op, as before the point op)."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    from torch.fx.experimental import proxy_tensor
 
-    table = getattr(get_proxy_mode(), "decomposition_table", None)
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return None
+    # (the mode's own on torch 2.13; a global of the tracer's in some earlier versions)
+    table = getattr(mode, "decomposition_table", getattr(proxy_tensor, "CURRENT_DECOMPOSITION_TABLE", None))
     if table is None:
         return None
     own = _without_sym_numel(table)  # (which ``make_fx`` adds to every table)
