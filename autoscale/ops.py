@@ -189,15 +189,25 @@ def trace_decompositions() -> str | None:
     table = getattr(mode, "decomposition_table", getattr(proxy_tensor, "CURRENT_DECOMPOSITION_TABLE", None))
     if table is None:
         return None
-    own = _without_sym_numel(table)  # (which ``make_fx`` adds to every table)
-    if not own:
+    if all(op is _SYM_NUMEL for op in table):  # (which ``make_fx`` adds to every table)
         return "none"
     inductor = sys.modules.get("torch._inductor.decomposition")
-    return "inductor" if inductor is not None and own == _without_sym_numel(inductor.select_decomp_table()) else None
+    return "inductor" if inductor is not None and _same_table(table, inductor.select_decomp_table()) else None
 
 
-def _without_sym_numel(table: dict[Any, Any]) -> dict[Any, Any]:
-    return {op: fn for op, fn in table.items() if op is not torch.ops.aten.sym_numel.default}
+_SYM_NUMEL = torch.ops.aten.sym_numel.default
+
+
+def _same_table(table: dict[Any, Any], other: dict[Any, Any]) -> bool:
+    """Whether the two decomposition tables are one but for ``sym_numel`` (without copying them: this
+    runs at every point of a trace)."""
+    own = 0
+    for op, fn in table.items():
+        if op is not _SYM_NUMEL:
+            if other.get(op) is not fn:
+                return False
+            own += 1
+    return own == len(other) - (_SYM_NUMEL in other)
 
 
 _LIBRARY = torch.library.Library("autoscale", "FRAGMENT")
