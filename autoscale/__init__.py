@@ -2,7 +2,7 @@
 
 ``torch.compile(model, backend="autoscale")`` runs the forward and backward in float16 where that
 is safe and float32 where it is not, with float32 master weights; ``convert``/``save``/``load`` do
-the same ahead of time, and ``diff`` shows what the passes changed. See README.md and DESIGN.md.
+the same ahead of time, and ``diff`` shows what the passes changed. See README.md and docs/design.md.
 
 (``autoscale.convert`` and ``autoscale.diff`` name the functions; their modules are imported as
 ``from autoscale.convert import ...`` and ``from autoscale.diff import ...``.)
@@ -12,13 +12,14 @@ Importing this package is cheap: it does not import triton, Inductor or initiali
 
 from __future__ import annotations
 
-from autoscale.backend import Backend, CompileRecord, backend
+from autoscale.backend import Backend, backend
 from autoscale.config import Config, OverflowConfig, QuantConfig, ScalingConfig, recipe, recipe_names
 from autoscale.convert import ConvertedFileError, ConvertedModule, convert, load, save
 from autoscale.diff import GraphDiff, diff
 from autoscale.inspect import PrecisionReport
 from autoscale.overflow import NonFiniteForwardError
 from autoscale.quant import FakeQuant
+from autoscale.rewrite import CompileRecord
 from autoscale.scaler import GradScaler, LayerReport
 
 __all__ = [

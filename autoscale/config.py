@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import torch
 
+from autoscale.protocol import FORMS
+
 __all__ = ["Config", "OverflowConfig", "QuantConfig", "ScalingConfig", "recipe", "recipe_names"]
 
 Compute = Literal["auto", "native", "emulate"]
@@ -55,7 +57,7 @@ def _real(owner: str, name: str, value: object, ok: Callable[[float], bool], wha
 
 @dataclass(frozen=True)
 class ScalingConfig:
-    """Gradient-scaling settings (DESIGN.md §4).
+    """Gradient-scaling settings (docs/design.md#gradient-scaling).
 
     ``GradScaler`` reads the runtime settings (mode, rule, margin, update_every, measure_every, the
     caps and the dynamic-mode knobs); the backend reads the compile-time ones (``placement``, ``gamma``,
@@ -78,10 +80,10 @@ class ScalingConfig:
                 plain torch that Inductor fuses into the kernels next to it, as on a CPU (always,
                 there). "fused": the Triton kernel ``autoscale::scale_grad``, one pass over the
                 gradient, but in a launch of its own plus one that zeroes its statistics. On an
-                H200, Inductor's points made the overhead benchmark's steps 2-9% faster in all six
-                comparisons (docs/results/overhead_cuda.md, its (a'')). Those steps are
-                launch-bound. The fused kernel reaches only 0.50-0.65 of a copy's bandwidth
-                (docs/results/kernels.md), so its single pass saves little on large gradients.
+                H200, Inductor's points were faster on the overhead benchmark's launch-bound steps
+                (docs/results/overhead_cuda.md, its (a'')). The fused kernel is instruction-bound,
+                well below a copy's bandwidth (docs/results/kernels.md), so its single pass saves
+                little on large gradients.
     update_every: recompute the adaptive scales every F steps (statistics accumulate in between).
     measure_every: adaptive only, compiled models only. Measure the gradients at every M-th step
                 only (the first, then every M, and the one after a skipped step): the steps between
@@ -139,7 +141,7 @@ class ScalingConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Fake quantization for cyclic precision training (DESIGN.md §7; runtime: ``autoscale.FakeQuant``).
+    """Fake quantization for cyclic precision training (docs/design.md#quantizers; runtime: ``autoscale.FakeQuant``).
 
     The forward bit-width is not here: it is runtime state (``FakeQuant.set_bits``/``step``), so a
     schedule changes it every step without recompiling. Compile-time choices:
@@ -167,7 +169,7 @@ class QuantConfig:
 
 @dataclass(frozen=True)
 class OverflowConfig:
-    """Forward overflow: float16 values above 65504 (DESIGN.md §3.1, docs/forward_overflow.md).
+    """Forward overflow: float16 values above 65504 (docs/design.md#forward-overflow, docs/forward_overflow.md).
 
     The backend reads the compile-time settings, ``GradScaler`` the run-time ones (from the
     ``Config`` it is given, or the defaults).
@@ -226,6 +228,15 @@ class Config:
     verify:   after every pass, re-propagate fake values through the whole graph and check that
               the values the passes recorded match (slow: for developing passes; the "debug"
               recipe and the test suite turn it on).
+    form:     how the scale points', checks' and update's work is laid out for a device's
+              kernels (``autoscale.protocol.FORMS``); every form computes the same numbers.
+              "default": what every device takes. "fewer_launches": laid out for a GPU's launch
+              count (points write their outputs in their producers' kernels and hand partial
+              results by rows to the fold, laid out as Inductor lays out each value; the update is
+              one Triton launch). Counted offline it launches fewer kernels
+              (docs/results/kernel_counts.md), but it has never been timed on a GPU, so it is off
+              until it is; on a CPU it is slower. "fewer_launches_in_parts": the same without
+              the partial results by rows, which the kernel counts weigh it against.
     """
 
     dtype: torch.dtype = torch.float16
@@ -240,6 +251,7 @@ class Config:
     quant: QuantConfig | None = None
     float8: bool = False
     verify: bool = False
+    form: str = "default"
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype in _FLOAT8_NAMES:
@@ -248,6 +260,7 @@ class Config:
         object.__setattr__(self, "dtype", _normalize_dtype(self.dtype))
         _flag("Config", "float8", self.float8)
         _flag("Config", "verify", self.verify)
+        _choice("Config", "form", self.form, tuple(FORMS))
         if self.quant is not None and not isinstance(self.quant, QuantConfig):
             raise ValueError(f"Config.quant must be a QuantConfig or None, got {type(self.quant).__name__}")
         _choice("Config", "compute", self.compute, _COMPUTES)

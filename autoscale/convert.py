@@ -1,7 +1,7 @@
 """Ahead-of-time conversion: ``convert`` a model once, train the result with plain autograd, ``save``/``load`` it.
 
 ``convert(model, example_inputs)`` captures the model's forward as ONE Dynamo graph, runs the
-backend's Dynamo-stage pipeline on it (the same function, :func:`autoscale.backend.rewrite_graph`)
+backend's Dynamo-stage pipeline on it (the same function, :func:`autoscale.rewrite.rewrite_graph`)
 and returns a :class:`ConvertedModule`: the original model (so ``parameters()``, ``state_dict()``
 and optimizers see the same Parameters) and the rewritten ``GraphModule``, run eagerly. Every
 autoscale pass that matters runs before autograd, so eager autograd through the rewritten graph
@@ -13,13 +13,8 @@ runtime to stitch pieces together around a graph break or to re-trace for a new 
 break is refused at conversion and an input of another shape, dtype or device at call time.
 
 ``save``/``load`` write and read a file made of a fixed header (magic, format version, payload
-length, SHA-256 of the payload) and a ``torch.save`` payload. The graph is stored node by node
-(op, name, target by qualified name, arguments, autoscale's provenance), not as a pickled
-``GraphModule``: that pickles Python code and re-traces it on load, which inlines plain Python
-functions — ``autoscale.ops.rescale`` came back as ``view_as``, silently dropping every scale
-point — and forgets each node's provenance. The model is stored as its module tree with its
-parameters and buffers (types by name only): a loaded module needs autoscale and torch, not the
-code of the model's class.
+length, SHA-256 of the payload) and a ``torch.save`` payload, whose graph and module tree are
+plain data (``autoscale.serialize``: why not a pickled ``GraphModule``).
 """
 
 from __future__ import annotations
@@ -27,9 +22,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import operator
 import os
-import pickle
 import platform
 import struct
 import tempfile
@@ -41,15 +34,29 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx import Graph, GraphModule, Node
-from torch.fx.node import _get_qualified_name, map_aggregate
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_aggregate
 
-from autoscale.backend import CompileRecord, _register, rewrite_graph
 from autoscale.config import Config
 from autoscale.inspect import PrecisionReport
-from autoscale.ops import Attached, resolve
-from autoscale.passes.graph_utils import PROVENANCE_KEY, attach_of, copy_graph_module
+from autoscale.ops import Attached
+from autoscale.passes.graph_utils import attach_of, copy_graph_module
+from autoscale.rewrite import CompileRecord, register_graph, rewrite_graph
 from autoscale.runtime import ScaleState, install_state, recoded_forward, unwrap
+from autoscale.serialize import (
+    RECONVERT,
+    ConvertedFileError,
+    ConvertError,
+    CorruptedFileError,
+    FormatVersionError,
+    NotConvertedFileError,
+    SavedModule,
+    TruncatedFileError,
+    dump_graph,
+    dump_modules,
+    load_graph,
+    load_modules,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -73,44 +80,20 @@ log = logging.getLogger("autoscale")
 MAGIC = b"\x89autoscale\r\n\x1a\n"
 """The first bytes of a converted-module file (PNG-style: a non-ASCII byte, then line endings and
 ^Z that a text-mode copy would mangle)."""
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The file format this autoscale writes. Version 2: a rescale node may carry ``measured=False`` (a
-float32 alignment, a multiply alone), which an autoscale that writes version 1 cannot run."""
-READ_VERSIONS = (1, 2)
-"""The file formats this autoscale reads: a version-1 graph measures every rescale point, which
-this one runs as written."""
+float32 alignment, a multiply alone), which an autoscale that writes version 1 cannot run. Version
+3: a rescale or watch node may carry the ``form`` its work is laid out in (``Config.form``)."""
+READ_VERSIONS = (1, 2, 3)
+"""The file formats this autoscale reads: a version-1 graph measures every rescale point and a
+version-2 graph takes the default form, which this one runs as written."""
 _HEADER = struct.Struct("<IQ32s")  # format version, payload length, SHA-256 of the payload
 _HEADER_SIZE = len(MAGIC) + _HEADER.size
 _KIND = "autoscale.ConvertedModule"
-_RECONVERT = "re-run autoscale.convert and save again"
 
 # Where a graph input, or an output leaf, comes from.
 Source = tuple[str, Any]  # ("input", leaf index) | ("parameter", name) | ("buffer", name) | ("constant", index)
 # | ("output", graph output index) | ("value", a Python value)
-
-
-class ConvertError(RuntimeError):
-    """``convert`` cannot turn this model into one static graph (the message says why and what to do)."""
-
-
-class ConvertedFileError(ValueError):
-    """A file that ``load`` refuses; the subclass says which problem it is."""
-
-
-class NotConvertedFileError(ConvertedFileError):
-    """The file does not start with autoscale's magic bytes: it was not written by ``autoscale.save``."""
-
-
-class TruncatedFileError(ConvertedFileError):
-    """The file ends before its header or its payload does (an interrupted write or copy)."""
-
-
-class CorruptedFileError(ConvertedFileError):
-    """The payload's SHA-256 differs from the header's, or bytes follow the payload."""
-
-
-class FormatVersionError(ConvertedFileError):
-    """The file was written in a format version this autoscale does not read."""
 
 
 # ------------------------------------------------------------------------------------ the module
@@ -128,18 +111,6 @@ class _Signature:
     out_spec: pytree.TreeSpec
     out_leaves: tuple[Source, ...]
     training: bool
-
-
-class SavedModule(nn.Module):
-    """A module of a loaded converted model: the original's parameters and buffers under their
-    names, and no code (the graph is the code). ``type_name`` is the original class, for repr."""
-
-    def __init__(self, type_name: str) -> None:
-        super().__init__()
-        self.type_name = type_name
-
-    def extra_repr(self) -> str:
-        return f"saved from {self.type_name}"
 
 
 class ConvertedModule(nn.Module):
@@ -460,8 +431,8 @@ def save(converted: ConvertedModule, path: str | os.PathLike[str], *, extra: Map
         "kind": _KIND,
         "versions": {"format": FORMAT_VERSION, "autoscale": autoscale.__version__, "torch": torch.__version__,
                      "python": platform.python_version()},
-        "graph": _dump_graph(converted.graph_module),
-        "modules": _dump_modules(converted.module, state),
+        "graph": dump_graph(converted.graph_module),
+        "modules": dump_modules(converted.module, state),
         "state": None if state is None else {
             "layers": list(state.layers), "moments": state.moments, "scales": state.scales.detach().clone(),
             "stats": state.stats.detach().clone(), "forward": state.forward.dump()},
@@ -502,32 +473,32 @@ def load(path: str | os.PathLike[str]) -> ConvertedModule:
     except Exception as e:
         raise ConvertedFileError(f"{path}: the file is intact (its checksum matches) but its payload cannot be read "
                                  f"({type(e).__name__}: {e}); it may need another autoscale or torch version: "
-                                 f"{_RECONVERT} with this one") from e
+                                 f"{RECONVERT} with this one") from e
     if not isinstance(payload, dict) or payload.get("kind") != _KIND:
-        raise ConvertedFileError(f"{path}: the payload is not a converted module; {_RECONVERT}")
+        raise ConvertedFileError(f"{path}: the payload is not a converted module; {RECONVERT}")
     versions = payload["versions"]
     if versions["torch"] != torch.__version__:
         log.warning("%s was saved with torch %s and is loaded with torch %s: its ops are found by name; if it "
-                    "fails or differs, %s", path, versions["torch"], torch.__version__, _RECONVERT)
-    module = _load_modules(payload["modules"])
+                    "fails or differs, %s", path, versions["torch"], torch.__version__, RECONVERT)
+    module = load_modules(payload["modules"])
     saved_state = payload["state"]
     if saved_state is not None:
         state = install_state(module, moments=saved_state["moments"])
         if list(state.layers) != saved_state["layers"]:
             raise ConvertedFileError(f"{path}: the saved module tree does not give the saved scale layout; "
-                                     f"{_RECONVERT}")
+                                     f"{RECONVERT}")
         try:
             state.load(saved_state["scales"], saved_state["stats"])
         except ValueError as e:
-            raise ConvertedFileError(f"{path}: {e}; {_RECONVERT}") from None
+            raise ConvertedFileError(f"{path}: {e}; {RECONVERT}") from None
         # the watched sites in slot order (the graph's checks write those slots) and the promotions
         state.forward.restore(saved_state.get("forward", {}))
-    gm = _load_graph(payload["graph"])
+    gm = load_graph(payload["graph"])
     signature = _load_signature(payload["signature"])
     converted = ConvertedModule(module, gm, signature, record=payload["record"], extra=payload["extra"])
     # Tell the state that this graph serves it and which gradients the graph checks (as the
     # backend and convert do): GradScaler.step then skips those.
-    _register(gm, [converted._value(s, ()) if s[0] != "input" else None for s in signature.sources],
+    register_graph(gm, [converted._value(s, ()) if s[0] != "input" else None for s in signature.sources],
               converted.config.overflow.threshold)
     return converted
 
@@ -538,7 +509,7 @@ def _verified_payload(raw: bytes, path: str) -> bytes:
     if len(raw) < len(MAGIC):
         if MAGIC.startswith(raw):
             raise TruncatedFileError(f"{path}: truncated: {len(raw)} bytes, shorter than autoscale's header "
-                                     f"({_HEADER_SIZE} bytes); copy the file again, or {_RECONVERT}")
+                                     f"({_HEADER_SIZE} bytes); copy the file again, or {RECONVERT}")
         raise NotConvertedFileError(f"{path}: not an autoscale converted-module file (it does not start with "
                                     f"{MAGIC!r}); write one with autoscale.save")
     if not raw.startswith(MAGIC):
@@ -548,7 +519,7 @@ def _verified_payload(raw: bytes, path: str) -> bytes:
                                     f"{raw[:len(MAGIC)]!r}, not {MAGIC!r}); write one with autoscale.save.{hint}")
     if len(raw) < len(MAGIC) + 4:
         raise TruncatedFileError(f"{path}: truncated inside its header ({len(raw)} of {_HEADER_SIZE} bytes); copy "
-                                 f"the file again, or {_RECONVERT}")
+                                 f"the file again, or {RECONVERT}")
     (version,) = struct.unpack_from("<I", raw, len(MAGIC))
     if version not in READ_VERSIONS:
         action = ("upgrade autoscale" if version > FORMAT_VERSION
@@ -557,20 +528,20 @@ def _verified_payload(raw: bytes, path: str) -> bytes:
                                  f"{', '.join(map(str, READ_VERSIONS))}: {action}")
     if len(raw) < _HEADER_SIZE:
         raise TruncatedFileError(f"{path}: truncated inside its header ({len(raw)} of {_HEADER_SIZE} bytes); copy "
-                                 f"the file again, or {_RECONVERT}")
+                                 f"the file again, or {RECONVERT}")
     _, length, digest = _HEADER.unpack_from(raw, len(MAGIC))
     data = raw[_HEADER_SIZE:]
     if len(data) < length:
         raise TruncatedFileError(f"{path}: truncated: the payload ends after {len(data)} of its {length} bytes (an "
-                                 f"interrupted write or copy); copy the file again, or {_RECONVERT}")
+                                 f"interrupted write or copy); copy the file again, or {RECONVERT}")
     if len(data) > length:
         raise CorruptedFileError(f"{path}: corrupted: {len(data) - length} unexpected bytes follow the payload; "
-                                 f"copy the file again, or {_RECONVERT}")
+                                 f"copy the file again, or {RECONVERT}")
     actual = hashlib.sha256(data).digest()
     if actual != digest:
         raise CorruptedFileError(f"{path}: corrupted: the payload's SHA-256 is {actual.hex()[:16]}..., the header "
                                  f"records {digest.hex()[:16]}... (the file changed after it was written); copy "
-                                 f"the file again, or {_RECONVERT}")
+                                 f"the file again, or {RECONVERT}")
     return data
 
 
@@ -598,147 +569,4 @@ def _state(module: nn.Module) -> ScaleState | None:
     state = getattr(module, "_autoscale_state", None)
     return state if isinstance(state, ScaleState) else None
 
-
-def _dump_modules(model: nn.Module, state: ScaleState | None) -> list[dict[str, Any]]:
-    """The module tree in ``named_modules`` order, each distinct module once with its own
-    parameters and buffers (shared tensors and modules stay shared: pickle keeps identity). The
-    scale state's buffers are left out: ``load`` installs the state afresh and copies its values."""
-    skip = {id(state.scales), id(state.stats)} if state is not None else set()
-    refs: dict[int, int] = {}
-    entries: list[dict[str, Any]] = []
-    for path, m in model.named_modules(remove_duplicate=False):
-        first = id(m) not in refs
-        entry: dict[str, Any] = {"path": path, "ref": refs.setdefault(id(m), len(refs)), "training": m.training}
-        if first:
-            entry["type"] = f"{type(m).__module__}.{type(m).__qualname__}"
-            entry["parameters"] = list(m._parameters.items())
-            entry["buffers"] = [(name, b, name not in m._non_persistent_buffers_set)
-                                for name, b in m._buffers.items() if b is None or id(b) not in skip]
-        entries.append(entry)
-    return entries
-
-
-def _load_modules(entries: list[dict[str, Any]]) -> nn.Module:
-    by_ref: dict[int, nn.Module] = {}
-    by_path: dict[str, nn.Module] = {}
-    for entry in entries:
-        module = by_ref.get(entry["ref"])
-        if module is None:
-            module = SavedModule(entry["type"])
-            for name, p in entry["parameters"]:
-                module.register_parameter(name, p)
-            for name, b, persistent in entry["buffers"]:
-                module.register_buffer(name, b, persistent=persistent)
-            module.training = entry["training"]
-            by_ref[entry["ref"]] = module
-        path = entry["path"]
-        if path:
-            parent, _, name = path.rpartition(".")
-            if name not in by_path[parent]._modules:
-                by_path[parent].add_module(name, module)
-        by_path[path] = module
-    return by_path[""]
-
-
-@dataclass(frozen=True)
-class _NodeRef:
-    """A node argument in a saved graph: the name of the node it refers to."""
-
-    name: str
-
-
-_KEEP_META = ("stack_trace",)
-_PARAMETER_TYPES = (torch.Tensor, nn.Parameter)
-
-
-def _dump_graph(gm: GraphModule) -> dict[str, Any]:
-    """``gm`` node by node: op, name, target (a function by its qualified name), arguments (nodes
-    as ``_NodeRef``), the placeholder's annotation, and the picklable metadata autoscale reads:
-    its provenance and annotations, the stack trace, the module stack as strings."""
-    nodes = []
-    attrs: dict[str, Any] = {}
-    for n in gm.graph.nodes:
-        target: Any = n.target
-        if n.op == "call_function":
-            target = _qualified_name(target)
-        elif n.op in ("get_attr", "call_module"):
-            attrs[n.target] = _dump_attr(gm, n.target)
-        nodes.append({
-            "op": n.op, "name": n.name, "target": target,
-            "args": map_aggregate(n.args, _ref), "kwargs": map_aggregate(n.kwargs, _ref),
-            "type": n.type if n.type in _PARAMETER_TYPES else None,
-            "meta": _portable_meta(n),
-        })
-    meta = {k: v for k, v in gm.meta.items() if k.startswith("autoscale")}
-    return {"nodes": nodes, "attrs": attrs, "meta": meta}
-
-
-def _ref(a: Any) -> Any:
-    return _NodeRef(a.name) if isinstance(a, Node) else a
-
-
-def _dump_attr(gm: GraphModule, target: str) -> tuple[str, Any]:
-    value = operator.attrgetter(target)(gm)
-    if isinstance(value, GraphModule):
-        return ("graph", _dump_graph(value))
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value)
-    raise ConvertError(f"cannot save: the graph uses attribute {target!r}, a {type(value).__name__}; only tensors "
-                       "and graph modules are supported")
-
-
-def _portable_meta(n: Node) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    for key, value in n.meta.items():
-        if key == PROVENANCE_KEY or key.startswith("autoscale") or key in _KEEP_META:
-            try:
-                pickle.dumps(value)
-            except Exception:
-                continue
-            meta[key] = value
-    stack = n.meta.get("nn_module_stack")
-    if isinstance(stack, dict):  # (its values hold the module classes: kept as names)
-        meta["nn_module_stack"] = {k: (v[0], v[1] if isinstance(v[1], str) else _type_name(v[1]))
-                                   for k, v in stack.items() if isinstance(v, tuple) and len(v) == 2}
-    return meta
-
-
-def _type_name(t: Any) -> str:
-    return f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', repr(t))}"
-
-
-def _qualified_name(target: Any) -> str:
-    """The importable name of a call's target; refused at save time if ``load`` would not find it."""
-    try:
-        name = _get_qualified_name(target)
-        found = resolve(name) is target
-    except Exception:
-        found, name = False, repr(target)
-    if not found:
-        raise ConvertError(f"cannot save: the graph calls {name}, which cannot be imported by name (a lambda or "
-                           "local function?); call module-level functions from the forward")
-    return name
-
-
-def _load_graph(saved: dict[str, Any]) -> GraphModule:
-    graph = Graph()
-    env: dict[str, Node] = {}
-
-    def node_of(a: Any) -> Any:
-        return env[a.name] if isinstance(a, _NodeRef) else a
-
-    for entry in saved["nodes"]:
-        target = resolve(entry["target"]) if entry["op"] == "call_function" else entry["target"]
-        node = graph.create_node(entry["op"], target, map_aggregate(entry["args"], node_of),
-                                 map_aggregate(entry["kwargs"], node_of), name=entry["name"], type_expr=entry["type"])
-        if node.name != entry["name"]:
-            raise ConvertedFileError(f"saved graph node {entry['name']!r} came back as {node.name!r}; {_RECONVERT}")
-        node.meta.update(entry["meta"])
-        env[node.name] = node
-    root: dict[str, Any] = {}
-    for target, (kind, value) in saved["attrs"].items():
-        root[target] = _load_graph(value) if kind == "graph" else value
-    gm = GraphModule(root, graph)
-    gm.meta.update(saved["meta"])
-    return gm
 

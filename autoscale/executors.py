@@ -122,10 +122,10 @@ def _let_aot_autograd_cache(gm: GraphModule) -> None:
     The cache refuses a graph with a call of a function it does not know (``rescale``, ``watch``,
     ``emulated``: Python functions, not torch ops), and a method called on a node without Dynamo's
     ``example_value`` (the passes' nodes carry ``val``). Refused, every start ran the joint trace,
-    the joint stage, the partition and Inductor's lowering again: a 3+3-layer T5's warm start took
-    18.8 s, 4.7 s served, against Inductor's 3.1 s (docs/results/compile_time_models.md). The
-    cache's escape hatch is the one ``torch.fx.wrap`` uses: a node marked ``is_wrapped`` with a
-    ``user_cache_hash``, which joins the cache key. Ours is :func:`_traced_code_hash`, so a change
+    the joint stage, the partition and Inductor's lowering again, and a warm start cost nearly a cold
+    one's Python (docs/results/compile_time_models.md). The cache's escape hatch is the one
+    ``torch.fx.wrap`` uses: a node marked ``is_wrapped`` with a ``user_cache_hash``, which joins the
+    cache key. Ours is :func:`_traced_code_hash`, so a change
     to what the functions do misses; their arguments are in the graph's text, and the joint
     stage's passes and config are in the key through ``_JointPass.uuid``. (FX then writes
     ``torch.fx.wrap`` of the marked functions into the module's code, as for any wrapped function:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from autoscale.ops import LAYOUT_SEP, PROMOTED_SEP
 from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, op_name, target_name
+from autoscale.protocol import LAYOUT_SEP, PROMOTED_SEP
 
 __all__ = ["Island", "PrecisionReport", "format_graph", "precision_report"]
 

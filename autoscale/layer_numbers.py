@@ -2,7 +2,7 @@
 float32 step measures, as the same quantities.
 
 Why per layer: scales, reports and the graph diff speak of layers (module paths), while the
-analysis (``autoscale/passes/analyze_underflow.py``) predicts per node. And why both sides: a prediction
+analysis (``autoscale/passes/analysis/analyze_underflow.py``) predicts per node. And why both sides: a prediction
 nothing checks drifts. :func:`predict_layers` reads the analysis' moments off the nodes;
 :func:`measure_layers` runs the graph once in float32 and computes the same numbers from the real
 tensors, node for node, layer for layer. ``benchmarks/prediction.py`` compares the two on the test
@@ -42,14 +42,11 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from autoscale.passes.analyze_underflow import (
-    MASK_MAGNITUDE,
-    MOMENTS_KEY,
-    Moments,
-    element_count,
-    predicted_underflow,
-    reference_step,
-)
+from autoscale.passes.analysis.analyze_underflow import MOMENTS_KEY
+from autoscale.passes.analysis.constants import MASK_MAGNITUDE
+from autoscale.passes.analysis.moments import Moments, predicted_underflow
+from autoscale.passes.analysis.nodes import element_count
+from autoscale.passes.analysis.seeding import reference_step
 from autoscale.passes.graph_utils import layer_of, parameter_path, requires_grad_map, tensor_val
 
 __all__ = ["LayerNumbers", "LayerParts", "flushed_share", "layer_parts", "measure_layers", "predict_layers"]
@@ -173,7 +170,7 @@ def flushed_share(t: torch.Tensor) -> float:
 def measure_layers(gm: GraphModule, example_inputs: Sequence[Any],
                    output_grads: Sequence[torch.Tensor | None] | None = None) -> dict[str, LayerNumbers]:
     """Each layer's numbers measured on one float32 forward and backward of ``gm`` on copies of
-    ``example_inputs`` (``analyze_underflow.reference_step``: the casts into float16 the precision
+    ``example_inputs`` (``analysis.seeding.reference_step``: the casts into float16 the precision
     pass inserted are skipped, so the graph as captured and as analyzed give the same gradients).
     Pass the graph as captured or as ``analyze_underflow`` left it: the rescale points
     ``insert_grad_scaling`` places afterwards would scale the gradients measured.

@@ -1,35 +1,27 @@
-"""A rescale point's backward: scale the gradient, measure it, and record the measurement.
+"""What a rescale point computes in the backward: the scaled gradient, and what it measured.
 
-The statistics tensor has one row per layer and the columns ``STAT`` names. A point computes its
-scaled output and *one number* that says all a step needs of it (``Measured.value``: the largest
-magnitude at unit scale, or a mark for a non-finite value that arrived or that the scaling made),
-and hands it to :func:`record` with the cells it goes to and what each cell takes of it (``MODES``):
-``stats`` comes back with each value folded into its cell, by max or by sum. The point hands the
-number over half read: its gradient's largest magnitude at unit scale, with the scale and bound
-that say whether its output overflowed (``Measured``); the fold reads it (``reading``), for all of
-a graph's points at once.
+A point computes its scaled output and *one number* that says all a step needs of it
+(``Measured.value``: the largest magnitude at unit scale, or a mark for a non-finite value that
+arrived or that the scaling made), and hands it to the ``autoscale::record`` op with the cells of
+the statistics tensor it goes to and what each cell takes of it (``MODES``; the layout:
+``autoscale.protocol``). The point hands the number over half read: its gradient's largest
+magnitude at unit scale, with the scale and bound that say whether its output overflowed
+(``Measured``); the fold reads it (``reading``), for all of a graph's points at once.
 
 Why one number: compiled, every recorded scalar is a buffer of its own, which the backward's
-wrapper allocates or aliases in Python at every step, and whose ``omp single`` block in the
-point's kernel ends with a barrier. Recorded as three numbers (largest magnitude, arrived, made,
-by two reductions and two scalar ops), the quick transformer block of ``benchmarks.overhead``
-spent 212 µs a step in its compiled backward's wrapper against torch.amp's 120, and its QKV
-point's kernel took 107 µs against 43 (2-core CPU, kernel profile); with one number, about 180
-and 90 µs. The flags are derived from the number in the fold instead, over all points at once,
-where they cost one vector op each.
-
-Why one op per point: each point's update of ``stats`` written as tensor ops (a select, a few
-``where``, a ``select_scatter`` per row) made the statistics the bulk of the compiled backward —
-a chain through one tensor that Inductor rewrote in full at every point: 3,000 of the 4,000 nodes
-of a 1+1-layer T5's backward, and 23 s of its 80 s compile on this CPU. As one functional op per
-point, the joint-stage pass ``autoscale/passes/batch_records.py`` folds a whole graph's records at once,
-into one small gather at the end of the backward; run eagerly (``autoscale.convert``, the tests),
-``record`` folds one point's values itself.
+wrapper allocates or aliases in Python at every step, and whose ``omp single`` block in the point's
+kernel ends with a barrier; the flags are derived from the number in the fold instead, over all
+points at once, where they cost one vector op each. Why one op per record: written as tensor ops,
+each point's update of the statistics was a chain through one tensor that Inductor rewrote in full
+at every point, the bulk of a compiled backward (docs/results/compile_time.md); as one functional
+op per point, the joint-stage pass ``autoscale/passes/joint/batch_records.py`` folds a whole graph's
+records at once, into one small gather at the end of the backward. Run eagerly, ``record`` folds
+one point's values itself (``fold``).
 
 ``scale_and_measure`` computes the point's output and measurements: plain torch that Inductor
 fuses into the kernel next to it, or, on CUDA with ``ScalingConfig.point_kernel="fused"``, the
-fused Triton kernel.
-``autoscale.kernels.reference.scale_grad_reference`` is the oracle of both.
+fused Triton kernel. ``autoscale.kernels.reference.scale_grad_reference`` is the oracle of both.
+The ``autoscale::`` ops these functions implement are defined in ``autoscale.ops``.
 """
 
 from __future__ import annotations
@@ -42,115 +34,37 @@ from typing import Any, NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["ACCELERATOR_FORM", "ANY_NONFINITE", "ARRIVED", "BAD", "FORMS", "LOSS_ROW", "MADE", "MAX",
-           "MODES", "NUM_STATS", "PEAK", "STAT", "SUM", "Form", "Measured", "counted", "fold", "form_of", "is_dense",
-           "largest", "measured_point", "memory_order", "partials", "point_backward", "reading", "record",
-           "rescaled", "scale_and_measure", "set_scale", "taken", "traced", "whole"]
+from autoscale.protocol import ARRIVED, BAD, LOSS_ROW, MADE, MAX, NUM_STATS, PART_SIZE, PEAK, ROW_SIZE, STAT, SUM, Form
+
+__all__ = ["MODES", "Measured", "counted", "fold", "in_memory_order", "is_dense", "largest", "max_scale",
+           "measured_point", "memory_order", "point_backward", "reading", "rescaled", "scale_and_measure", "taken",
+           "traced", "whole"]
 
 aten = torch.ops.aten
 
-# Columns of the stats tensor (one row per layer). ``nonfinite`` is a flag (1 when a gradient the
-# row's scale produced was inf/nan), ``amax`` the largest magnitude at unit scale; ``sum``,
-# ``sumsq`` and ``count`` are recorded for the "paper" rule only, ``zeros`` and ``numel`` of
-# parameter gradients (their zero rate, reported per layer).
-STAT = {"nonfinite": 0, "amax": 1, "sum": 2, "sumsq": 3, "count": 4, "zeros": 5, "numel": 6}
-NUM_STATS = len(STAT)
-LOSS_ROW = 0
-"""The row of the scale the loss's gradient starts with: 1, always (a layer's row is never row 0,
-``update`` keeps it, and the scaler multiplies the loss outside the graphs). So eagerly a point does
-not read it: a scale it would take the largest of with others is a ``clamp_min(1)`` (``_max_of``);
-a compiled graph's reduction over a set's rows reads it as the 1 it is (``autoscale/passes/batch_row_reads.py``)."""
-ANY_NONFINITE = STAT["amax"]
-"""The cell of row 0 (the loss scale's, which no rule moves and no point measures) that holds
-whether any point saw a non-finite value: ``GradScaler.step`` reads this one value (flat index)."""
-
-# What a cell takes of a recorded value (``MODES``). A point's value (``Measured.value``, what
-# ``reading`` makes of its peak) is its gradient's largest magnitude at unit scale, +inf or nan when
-# a value arrived non-finite, and -1 when the point's scaling made a finite value overflow. The
-# modes read it as:
-MAX = 0  # the value, combined by max (nan kept: the forward's peaks)
-SUM = 1  # the value, summed (counts, moments)
-PEAK = 2  # the largest magnitude: the value where it is one (>= 0 and finite), else 0; max
-ARRIVED = 3  # 1 if a value arrived non-finite (the value is not below inf), else 0; max
-MADE = 4  # 1 if the scaling made one (the value is negative), else 0; max
-BAD = 5  # 1 if either, else 0; max
-
 Call = Callable[..., Any]
 """How a mode's reading is computed: ``call(aten_op, *args, **kwargs)`` runs the op (``fold``) or
-adds it to a graph (``autoscale/passes/batch_records.py``), so that both read a value from one definition."""
+adds it to a graph (``autoscale/passes/joint/batch_records.py``), so that both read a value from one definition."""
 
 
-class Form(NamedTuple):
-    """How points, checks and the update lay out their work on one kind of device (``FORMS``).
-    Either way they compute the same numbers; what differs is how many passes over a gradient, and
-    how many kernel launches, Inductor makes of them."""
-
-    in_place: bool
-    """A point's output depends on its peak (``scale_and_measure``'s ``keep``), so that Inductor
-    writes it over the gradient's own buffer, in a second pass after the peak's. On the CPU a cold
-    buffer cost more than that cache-warm pass (a transformer block's GELU backward kernel 1.0 ms
-    against 0.5 ms in place), and the one-pass form was slower on every model of
-    ``benchmarks.overhead`` (docs/results/overhead_quick.md). On a GPU the second pass is a launch
-    of its own per point, after the reduction's: without the dependency the producer's kernel
-    writes the output."""
-    parts: int
-    """The most partial results a reduction over a whole value hands to the fold (``largest``,
-    ``counted``), which reduces them for every point at once (``autoscale/passes/batch_records.py``); 1 is a
-    full reduction. Inductor splits a GPU's full reduction of a large value into two launches,
-    partial results then their reduction: handed as partial results, the first is fused into the
-    value's producer and the second is the fold's. On the CPU a full reduction is one loop of the
-    producer's kernel."""
-    rows: int = 0
-    """The most rows whose partial results a value's reduction hands on, one per row, where the
-    value has more elements than ``parts`` (``_partial``): its elements over its innermost
-    dimension in memory, of at least ``ROW_SIZE`` of them. Inductor fuses two kernels that read one
-    buffer only where both read it at the same indices (``Scheduler.score_fusion_memory``). Reduced
-    row by row, a value is read as the kernels reading it by rows read it, a layer norm's or a
-    softmax's, and as a point's own scaled write reads it, and Inductor computes the reduction in
-    those kernels. Split into equal flat parts instead, the partial reduction was a kernel of
-    its own beside each of those (a GPU step of T5 1+1: 236 launches against 200 by rows, and
-    torch.amp's 177: ``benchmarks.kernel_counts``). A value of more rows is split as ``parts``
-    says: the fold gathers every value's partial results side by side, padded to the most any
-    hands on (``autoscale/passes/batch_records.py``)."""
-    fused_update: bool = False
-    """The scaler's update runs as one Triton launch (``autoscale.kernels.update``), where Inductor
-    made it seven kernels on a GPU (``autoscale.update.CompiledUpdate``). On the CPU Inductor makes
-    it one C++ kernel, and Triton has no CPU backend."""
-
-
-FORMS: dict[str, Form] = {"cpu": Form(in_place=True, parts=1)}
-"""The form per device type; every other device (CUDA) takes ``ACCELERATOR_FORM``."""
-ACCELERATOR_FORM = Form(in_place=False, parts=512, rows=1024, fused_update=True)
-PART_SIZE = 1024
-"""The fewest elements a partial result reduces (``_partial``), but for a value of no more elements
-than its form's ``parts``, whose elements are handed on as they are, and for a row (``ROW_SIZE``)."""
-ROW_SIZE = 16
-"""The fewest elements of a row whose partial result a value's reduction hands on (``Form.rows``):
-fewer, as a convolution weight's rows of 3, and the value is split into parts (``Form.parts``)."""
-
-
-def form_of(device: torch.device) -> Form:
-    """The form points and checks take on ``device`` (``FORMS``)."""
-    return FORMS.get(device.type, ACCELERATOR_FORM)
-
-
-def _partial(x: torch.Tensor) -> torch.Tensor | None:
+def _partial(x: torch.Tensor, form: Form) -> torch.Tensor | None:
     """``x``'s elements in memory order as ``[parts, -1]``, for a reduction over all of them to hand
     on as partial results (``_parts``). None where that would be one part, and for a value whose
     size or layout is symbolic, or whose elements are not dense in memory (its partial results
-    would read it through a copy; whole, ``autoscale/passes/reduce_at_source.py`` has it read its source).
+    would read it through a copy; whole, ``autoscale/passes/joint/reduce_at_source.py`` has it read its source).
     A value laid out in another order (a channels-last gradient) is read in its own, which no
     reduction over all of it depends on. Traced, the order is the one Inductor will lay the value
     out in, which it decides after the trace: ``partials`` marks the reshape for
-    ``autoscale/passes/lay_out_partials.py``."""
-    form, n = form_of(x.device), x.numel()
+    ``autoscale/passes/joint/lay_out_partials.py`` (``Form.lay_out``)."""
+    n = x.numel()
     if form.parts <= 1 or not isinstance(n, int) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
         return None
     parts = _parts(x, form)
     if parts <= 1 or not is_dense(x):
         return None
-    # (traced, a marker the joint stage lays out as Inductor will lay the value out: ``partials``)
-    return partials(x, parts) if traced(x) else _in_memory_order(x).reshape(parts, -1)
+    if form.lay_out and traced(x):  # (a marker the joint stage lays out as Inductor will lay the value out)
+        return torch.ops.autoscale.partials.default(x, parts)
+    return in_memory_order(x).reshape(parts, -1)
 
 
 def _parts(x: torch.Tensor, form: Form) -> int:
@@ -177,7 +91,7 @@ def memory_order(x: torch.Tensor) -> list[int]:
     return sorted(range(x.dim()), key=lambda d: -x.stride()[d])
 
 
-def _in_memory_order(x: torch.Tensor) -> torch.Tensor:
+def in_memory_order(x: torch.Tensor) -> torch.Tensor:
     """``x`` permuted so that its dimensions run in the order of its strides, the largest first."""
     return x.permute(memory_order(x)) if x.dim() else x
 
@@ -193,20 +107,6 @@ def is_dense(x: torch.Tensor) -> bool:
     return True
 
 
-def _partials(x: torch.Tensor, parts: int) -> torch.Tensor:
-    """``x``'s elements in memory order as ``[parts, -1]``: what ``_partial`` hands a reduction,
-    as one op. Traced into a compiled graph, ``autoscale/passes/lay_out_partials.py`` replaces it by a view of
-    ``x`` in the order Inductor will lay ``x`` out in, which it decides after the trace (a GPU's
-    convolutions channels-last, by its heuristics): its partial results are then read in memory
-    order, coalesced, and in the kernel that writes ``x``. Any order gives the same reduction over
-    all of them. (Run as an op, it copies.)"""
-    return _in_memory_order(x).reshape(parts, -1).clone()
-
-
-def _partials_fake(x: torch.Tensor, parts: int) -> torch.Tensor:
-    return x.new_empty((parts, x.numel() // parts))
-
-
 def whole(value: torch.Tensor, combine: str) -> torch.Tensor:
     """A value handed as partial results (``largest``, ``counted``) reduced to one, by ``combine``
     ("max" or "sum", its cells' way: ``MODES``); a value of one element as it is."""
@@ -220,9 +120,8 @@ def reading(call: Call, peak: Any, scale: Any, bound: Any) -> Any:
     the peak is finite and ``peak · scale``, its peak at the scale of the point's output, is not
     below ``bound`` (the output overflowed, in float32 too: ``bound`` is then inf). Exact, the
     scales being powers of two: ``peak · scale`` is the largest magnitude the point wrote. Computed
-    in the fold, for all of a graph's points at once: at each point it was 6 ops on a 0-dim value,
-    which every compile stage paid for (a 1+1-layer T5's backward: 1,628 ATen nodes, 563 of them
-    0-dim)."""
+    in the fold, for all of a graph's points at once, rather than as six 0-dim ops at each point,
+    which every compile stage would pay for (docs/results/compile_time_models.md)."""
     fits = call(aten.bitwise_or.Tensor, call(aten.lt.Tensor, call(aten.mul.Tensor, peak, scale), bound),
                 call(aten.logical_not.default, call(aten.lt.Scalar, peak, math.inf)))
     return call(aten.where.ScalarOther, fits, peak, -1.0)
@@ -301,8 +200,8 @@ class Measured(NamedTuple):
         return Measured(value, total=total, squares=squares, zeros=zeros)
 
 
-def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
-                      moments: bool = False, zeros: bool = False, fused: bool = False
+def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor, form: Form, *,
+                      leaving: bool = False, moments: bool = False, zeros: bool = False, fused: bool = False
                       ) -> tuple[torch.Tensor, Measured]:
     """The point's output, ``grad·factor`` in grad's dtype with ``factor = scale / carried`` (the
     scale the gradient leaves with over the one it arrived with), and its ``Measured``.
@@ -316,8 +215,8 @@ def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Te
 
     Written so that Inductor computes ``out`` in place, over the gradient's own buffer: Inductor
     does so only when the node writing ``out`` is the last to read that buffer. On CPU, writing a
-    cold buffer instead cost more than the rest of the point (a transformer block's GELU backward
-    kernel took 1.0 ms against 0.34 ms unscaled; in place, 0.5 ms). So either ``out`` reads the
+    cold buffer instead cost more than the rest of the point (docs/results/overhead.md, "What the
+    step took"). So either ``out`` reads the
     largest magnitude, which makes the reduction its ancestor (a second, cache-warm pass), or, for
     a gradient ``leaving`` the graph (a parameter's, unscaled), the statistics are measured on
     ``out`` itself in one pass. Nothing below a leaving gradient reads it, so it is handed back
@@ -346,14 +245,14 @@ def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Te
     # is the value the fold reads: Inductor writes it into its slot of the fold's vector
     # (``largest``). Divided after the reduction, the quotient was another 0-dim value, copied into
     # the vector; left to the fold, the raw peak was, by whichever kernel Inductor chose.
-    peak = largest(magnitude * unit_scale.reciprocal())
+    peak = largest(magnitude * unit_scale.reciprocal(), form)
     bound = math.inf
     if not leaving:
         # a finite value overflows under ``factor`` iff the largest one does: the fold reads that
         # from the peak (``reading``), in float32 too
         bound = _overflow_threshold(grad.dtype)
         keep: torch.Tensor | float = 0.0
-        if form_of(grad.device).in_place:
+        if form.in_place:
             # (``keep``, always 0: reading the peak makes the reduction an ancestor of ``out``,
             # which Inductor then writes in place; see above and ``Form.in_place``)
             keep = torch.where(peak < 0.0, peak, 0.0).reshape(())
@@ -363,11 +262,11 @@ def scale_and_measure(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Te
         peak, None if leaving else scale.float(), bound,
         total=at_unit.sum() if at_unit is not None else None,
         squares=(at_unit * at_unit).sum() if at_unit is not None else None,
-        zeros=counted(measured == 0) if zeros else None,
+        zeros=counted(measured == 0, form) if zeros else None,
     )
 
 
-def largest(x: torch.Tensor) -> torch.Tensor:
+def largest(x: torch.Tensor, form: Form) -> torch.Tensor:
     """``max x`` over every element as a one-element vector (0 for an empty ``x``): how a point or a
     check hands its peak to the fold. Shaped like one piece of the fold's vector, the reduction is
     that piece: Inductor writes it straight into its slot of the vector. A 0-dim peak reached the
@@ -379,17 +278,17 @@ def largest(x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(1)
     if x.dim() == 0:
         return x.reshape(1)
-    if (parts := _partial(x)) is not None:  # (partial maxima, which the fold reduces: ``Form.parts``)
+    if (parts := _partial(x, form)) is not None:  # (partial maxima, which the fold reduces: ``Form.parts``)
         return parts.amax(1)
     # (over a leading unit dimension, not a flattened view: the reduction then indexes ``x`` as
     # the op writing ``x`` does, and Inductor fuses the two as for a 0-dim max)
     return x.unsqueeze(0).amax(list(range(1, x.dim() + 1)))
 
 
-def counted(where: torch.Tensor) -> torch.Tensor:
+def counted(where: torch.Tensor, form: Form) -> torch.Tensor:
     """How many elements of ``where`` hold, in float32 (exact below 2^24): one count, or partial
     counts that the fold sums (``Form.parts``)."""
-    if (parts := _partial(where)) is not None:
+    if (parts := _partial(where, form)) is not None:
         return parts.sum(1, dtype=torch.int32).float()
     return where.sum(dtype=torch.int32).float()
 
@@ -406,35 +305,6 @@ def _overflow_threshold(dtype: torch.dtype) -> float:
     return float(info.max) + step / 2
 
 
-def _set_scale(scales: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The largest scale of ``rows`` (``_max_of``) in a 0-dim tensor of its own: what a point reads
-    when traced (``torch.ops.autoscale.set_scale``), one op per read, so that the joint-stage pass
-    ``autoscale/passes/batch_row_reads.py`` finds a graph's reads and computes each distinct set once, as a
-    reduction of its own that the points' kernels receive as an argument (why: that module). Left
-    ungathered (a joint stage without the pass), each read runs as an op and computes the same.
-    Defined through ``torch.library.Library`` rather than ``custom_op``, whose Python wrapper
-    doubled the cost of a small call."""
-    return _max_of(scales, tuple(rows)).clone()
-
-
-def _set_scale_fake(scales: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    return torch.empty((), dtype=scales.dtype, device=scales.device)
-
-
-_LIBRARY = torch.library.Library("autoscale", "FRAGMENT")
-_LIBRARY.define("set_scale(Tensor scales, int[] rows) -> Tensor")
-_LIBRARY.impl("set_scale", _set_scale, "CompositeExplicitAutograd")
-torch.library.register_fake("autoscale::set_scale", _set_scale_fake, lib=_LIBRARY)
-
-set_scale = torch.ops.autoscale.set_scale.default
-
-_LIBRARY.define("partials(Tensor x, int parts) -> Tensor")
-_LIBRARY.impl("partials", _partials, "CompositeExplicitAutograd")
-torch.library.register_fake("autoscale::partials", _partials_fake, lib=_LIBRARY)
-
-partials = torch.ops.autoscale.partials.default
-
-
 def traced(t: torch.Tensor) -> bool:
     """Whether ``t`` is being traced into a compiled graph rather than computed: ``torch.compile``
     is tracing, or ``t`` is a fake tensor (also under functionalization). The second is what says
@@ -447,23 +317,22 @@ def traced(t: torch.Tensor) -> bool:
 
 
 def _scale_of(scales: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-    """The largest scale of ``rows`` (``_max_of``): traced for a compiled graph, ``set_scale`` of the
-    rows in order, each once (so that equal sets are one read; see ``_set_scale``); run eagerly
-    (``autoscale.convert``), ``_max_of``'s selects, free where a copy would be paid at every point.
+    """The largest scale of ``rows`` (``max_scale``): traced for a compiled graph, ``set_scale`` of the
+    rows in order, each once (so that equal sets are one read; see ``autoscale.ops.set_scale``); run eagerly
+    (``autoscale.convert``), ``max_scale``'s selects, free where a copy would be paid at every point.
     A set of no row but the loss row's is 1, a constant, not a read: as one buffer, it was an
     argument of every unscale point's kernel, which Inductor's fusion search paired, one by one,
-    as nodes reading one buffer (``_max_of``)."""
+    as nodes reading one buffer (``max_scale``)."""
     if traced(scales) and any(row != LOSS_ROW for row in rows):
-        return set_scale(scales, sorted(set(rows)))
-    return _max_of(scales, rows)
+        return torch.ops.autoscale.set_scale.default(scales, sorted(set(rows)))
+    return max_scale(scales, rows)
 
 
-def _max_of(scales: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+def max_scale(scales: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     """The largest of the scales of ``rows`` (1 for none); the loss row's, 1 (``LOSS_ROW``), is not
-    read: where it is one of them, the others' largest is clamped at 1. (Read, it was a kernel
-    argument of every point next to the loss or the residual stream, 61 nodes of a 1+1-layer T5's
-    backward, which Inductor's fusion search grouped and paired, one by one, as nodes reading one
-    buffer.)"""
+    read: where it is one of them, the others' largest is clamped at 1. (Read, it would be a kernel
+    argument of every point next to the loss or the residual stream, which Inductor's fusion search
+    groups and pairs, one by one, as nodes reading one buffer.)"""
     read_rows = [row for row in rows if row != LOSS_ROW]
     if not read_rows:
         return torch.ones((), dtype=scales.dtype, device=scales.device)
@@ -473,11 +342,11 @@ def _max_of(scales: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
 
 def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: tuple[int, ...],
                    in_rows: tuple[int, ...], record_rows: tuple[int, ...], unscale: bool, moments: bool,
-                   fused: bool = False, *, blame: bool = True) -> torch.Tensor:
+                   fused: bool = False, *, blame: bool = True, form: Form) -> torch.Tensor:
     """The backward of ``autoscale.ops.rescale``: the gradient it hands on; ``stats`` gets the
     point's measurements (``measured_point``, written in place)."""
     out, recorded = measured_point(grad, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused,
-                                   blame=blame)
+                                   blame=blame, form=form)
     if recorded is not None:
         stats.copy_(recorded)
     return out
@@ -485,7 +354,7 @@ def point_backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
 
 def measured_point(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor, out_rows: Sequence[int],
                    in_rows: Sequence[int], record_rows: Sequence[int], unscale: bool, moments: bool,
-                   fused: bool = False, *, blame: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   fused: bool = False, *, blame: bool = True, form: Form) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``point_backward`` as a function: the gradient it hands on, and ``stats`` with the point's
     measurements recorded (``record``), or None where it records nothing.
 
@@ -505,7 +374,7 @@ def measured_point(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
     made it (a value the unmeasured points let through reaches the gradients of the layers after
     the one that made it), so the scaler measures the next one.
     """
-    out, m = scale_and_measure(grad, _scale_of(scales, out_rows), _scale_of(scales, in_rows), leaving=unscale,
+    out, m = scale_and_measure(grad, _scale_of(scales, out_rows), _scale_of(scales, in_rows), form, leaving=unscale,
                                moments=moments, zeros=unscale, fused=fused)
     values: list[torch.Tensor] = []
     cells: list[int] = []
@@ -546,7 +415,7 @@ def measured_point(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
                 assert m.zeros is not None
                 put(row, "zeros", m.zeros, SUM)
                 put(row, "numel", elements, SUM)  # type: ignore[arg-type]
-    return out, record(stats, values, cells, modes, out_scales, bounds) if values else None
+    return out, torch.ops.autoscale.record.default(stats, values, cells, modes, out_scales, bounds) if values else None
 
 
 def rescaled(grad: torch.Tensor, scales: torch.Tensor, out_rows: tuple[int, ...], in_rows: tuple[int, ...]
@@ -586,17 +455,3 @@ def fold(stats: torch.Tensor, values: Sequence[torch.Tensor], cells: Sequence[in
         else:
             flat.scatter_reduce_(0, index[chosen], taken(mode, v[chosen]), "amax")
     return flat.view_as(stats)
-
-
-@torch.library.custom_op("autoscale::record", mutates_args=())
-def record(stats: torch.Tensor, values: list[torch.Tensor], cells: list[int], modes: list[int],
-           scales: list[torch.Tensor | None], bounds: list[float]) -> torch.Tensor:
-    """``fold(stats, values, cells, modes, scales, bounds)`` as one op: a point's measurements,
-    which ``autoscale/passes/batch_records.py`` gathers with the graph's other points into one fold."""
-    return fold(stats, values, cells, modes, scales, bounds)
-
-
-@record.register_fake
-def _(stats: torch.Tensor, values: list[torch.Tensor], cells: list[int], modes: list[int],
-      scales: list[torch.Tensor | None], bounds: list[float]) -> torch.Tensor:
-    return torch.empty_like(stats)

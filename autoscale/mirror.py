@@ -11,8 +11,7 @@ to copy, and ``poll`` hands it back at once. The same calls run on both, so a te
 the code that runs on CUDA.
 
 ``values`` reads a host buffer's floats as Python floats with no torch op: the reader runs at every
-step right after a backward, where a cold torch op cost 15-20 µs on the 2-core CPU (a slice and a
-``tolist`` of the scaler's two flags: 21 µs, a fifth of its ``update()``).
+step right after a backward, where every cold torch op is a measurable part of a small ``update()``.
 """
 
 from __future__ import annotations

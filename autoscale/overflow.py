@@ -1,13 +1,13 @@
 """Forward overflow at run time: the watched sites, what a step's peaks say, and the repairs.
 
 The compiled forward folds ``max |x|`` of every watched value into a slot of the scaler's
-``peaks`` buffer (``autoscale.ops.watch``, inserted by ``autoscale/passes/insert_overflow_checks.py``). This
+``peaks`` buffer (``autoscale.ops.watch``, inserted by ``autoscale/passes/dynamo/insert_overflow_checks.py``). This
 module is the host side: :class:`ForwardSites` keeps which site each slot is (a graph node, named
 by module path and op) and which sites were promoted to float32; :func:`diagnose` reads one step's
 peaks and says which sites overflowed first (not merely downstream of another), which came near
 float16's max, and which were non-finite though computed in float32; ``ForwardSites.repair``
-promotes what it can and says what it cannot. The ``GradScaler`` decides when to read the peaks,
-and warns or raises when a repair is stuck.
+promotes what it can and says what it cannot. ``autoscale.repair.ForwardRepair`` decides, for the
+``GradScaler``, when to read the peaks, and warns or raises when a repair is stuck.
 
 A site is one of three kinds:
 
@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from autoscale.ops import FP16_MAX, PROMOTED_SEP
+from autoscale.protocol import FP16_MAX, PROMOTED_SEP
 
 __all__ = ["CAST_SUFFIX", "OVERFLOW_REASON", "Diagnosis", "ForwardSites", "NonFiniteForwardError", "Promotion",
            "Repair", "Site", "SiteKind", "alarm", "describe", "diagnose", "outputs_nonfinite"]

@@ -1,10 +1,10 @@
 """Fake quantization for cyclic precision training, and float8 with per-node scales.
 
-The functions here are what ``autoscale/passes/insert_fake_quant.py`` puts in the graph. They are plain
+The functions here are what ``autoscale/passes/dynamo/insert_fake_quant.py`` puts in the graph. They are plain
 torch (as ``ops.rescale`` is): AOTAutograd traces them into ATen, so Inductor fuses them into the
 kernels around them, and their arithmetic is its own test oracle.
 
-Quantizers (DESIGN.md §7) are min/max uniform affine, with the range widened to include 0 so that
+Quantizers (docs/design.md#quantizers) are min/max uniform affine, with the range widened to include 0 so that
 zero (ReLU outputs, padding) stays exact, and the bit-width a runtime tensor (``2**bits - 1``
 levels), so that a precision schedule changes it every step without recompiling:
 
@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoscale.ops import E4M3_MAX, E5M2_MAX, identity_output
-from autoscale.runtime import LAYOUT_SEP, announce_in_forward, unwrap
+from autoscale.ops import attach_quant, identity_output
+from autoscale.protocol import E4M3_MAX, E5M2_MAX, LAYOUT_SEP
+from autoscale.runtime import announce_in_forward, unwrap
 from autoscale.schedules import Schedule
 
 __all__ = [
@@ -160,18 +161,6 @@ def float8_grad(y: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------- runtime state
 
 
-@torch.library.custom_op("autoscale::attach_quant", mutates_args=("ranges",))
-def attach_quant(bits: torch.Tensor, ranges: torch.Tensor, layout: str, training: bool) -> None:
-    """Does nothing. ``FakeQuant`` calls it at the top of the model's forward so that Dynamo
-    lifts the quantization state into the graph as inputs; ``insert_fake_quant`` reads ``layout``
-    (the module of each row) and ``training`` from it and removes it."""
-
-
-@attach_quant.register_fake
-def _(bits: torch.Tensor, ranges: torch.Tensor, layout: str, training: bool) -> None:
-    return None
-
-
 class FakeQuant:
     """Fake quantization's runtime state on a model, and the precision schedule that drives it.
 
@@ -200,7 +189,7 @@ class FakeQuant:
         root.register_buffer(_RANGES, torch.zeros(len(names) * SLOTS, 3, device=device), persistent=False)
         object.__setattr__(root, _STATE_ATTR, self)
         self._root = root
-        announce_in_forward(model, lambda m: torch.ops.autoscale.attach_quant(
+        announce_in_forward(model, lambda m: attach_quant(
             getattr(m, _BITS), getattr(m, _RANGES), self.layout, m.training))
         if schedule is not None:
             self.step(0)

@@ -22,11 +22,10 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autoscale.measure import ANY_NONFINITE, LOSS_ROW
-from autoscale.ops import FP16_MAX, LAYOUT_SEP, NUM_STATS, STAT
 from autoscale.overflow import ForwardSites
+from autoscale.protocol import ANY_NONFINITE, FP16_MAX, LAYOUT_SEP, LOSS_ROW, NUM_STATS, STAT
 
-__all__ = ["LOSS_ROW", "LAYOUT_SEP", "IdentitySet", "ScaleState", "announce_in_forward", "compile_in_place",
+__all__ = ["IdentitySet", "ScaleState", "announce_in_forward", "compile_in_place",
            "install_state", "owner_of", "recoded_forward", "state_of", "unwrap"]
 
 _LOSS_NAME = "<loss>"
@@ -133,7 +132,7 @@ class ScaleState:
     def holds(self, scales: torch.Tensor, stats: torch.Tensor, peaks: torch.Tensor) -> bool:
         """Whether the model's buffers are these tensors (``model.to`` replaces them), read from
         the module's buffer dict: the scaler asks at every steady-state update, right after a
-        backward, where three ``nn.Module.__getattr__`` calls cost ~7 µs cold."""
+        backward, where ``nn.Module.__getattr__`` is slow with cold caches."""
         buffers = self.root._buffers
         return buffers.get(_SCALES) is scales and buffers.get(_STATS) is stats and buffers.get(_PEAKS) is peaks
 
@@ -164,7 +163,7 @@ class ScaleState:
 
 class IdentitySet:
     """Tensors by identity, held weakly. Membership is one dict lookup: a ``WeakIdKeyDictionary``
-    builds a weak reference for every lookup (~0.9 µs a parameter at every ``GradScaler.step``)."""
+    builds a weak reference for every lookup (a cost per parameter at every ``GradScaler.step``)."""
 
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref[torch.Tensor]] = {}

@@ -19,14 +19,15 @@ fused Adam, AdamW, SGD, Adagrad): then ``grad_scale`` and ``found_inf`` are hand
 and nothing syncs. ``update`` never syncs: the scales are updated on the device
 (``autoscale.update``), and what the forward's overflow checks saw reaches the host through an
 asynchronous copy (``autoscale.mirror``), read when it has arrived.
+
+The scaler keeps torch.amp's interface and delegates: forward-overflow repair to
+``autoscale.repair``, the reductions over ranks to ``autoscale.distributed``, the telemetry log to
+``autoscale.telemetry``, and the update rules to ``autoscale.update``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -39,17 +40,26 @@ from torch import nn
 
 from autoscale.checked_grads import CheckedGradients, hooked
 from autoscale.config import Config, OverflowConfig, ScalingConfig
+from autoscale.distributed import Ranks
 from autoscale.mirror import HostMirror
-from autoscale.ops import FP16_MAX, SCALE_RANGE, STAT, headroom
-from autoscale.overflow import NonFiniteForwardError, Promotion
-from autoscale.runtime import LOSS_ROW, IdentitySet, ScaleState, install_state, unwrap
-from autoscale.update import CompiledUpdate, UpdateTensors, adaptive_backoff, adaptive_update, dynamic_update
+from autoscale.overflow import Promotion
+from autoscale.protocol import FORMS, LOSS_ROW, SCALE_RANGE, STAT, headroom
+from autoscale.repair import ForwardRepair
+from autoscale.runtime import IdentitySet, ScaleState, install_state, unwrap
+from autoscale.telemetry import append_record
+from autoscale.update import (
+    CompiledUpdate,
+    UpdateTensors,
+    adaptive_backoff,
+    adaptive_update,
+    dynamic_update,
+    paper_scales,
+)
 
 __all__ = ["GradScaler", "LayerReport"]
 
 log = logging.getLogger("autoscale")
 
-FP16_MIN_SUBNORMAL = 2.0**-24
 _Outputs = TypeVar("_Outputs", torch.Tensor, Iterable[torch.Tensor])
 _MEASURED = [STAT[c] for c in ("nonfinite", "amax", "count", "numel")]  # a row with any of these was measured
 # GradScaler's tensors that live on the model's device (``GradScaler._follow``)
@@ -103,7 +113,7 @@ class GradScaler:
     Under torch.distributed (DistributedDataParallel) the ranks reduce what decides a skip and the
     scales — inf/nan flags, largest gradients and scales at every step, the additive statistics
     at every update — over ``process_group`` (default: the default group), so every rank skips
-    the same steps and keeps the same scales.
+    the same steps and keeps the same scales (``autoscale.distributed``).
     """
 
     def __init__(self, model: nn.Module, config: Config | ScalingConfig | None = None, *,
@@ -129,29 +139,26 @@ class GradScaler:
         self._skips = torch.zeros((), device=device)
         self._last_skipped = torch.zeros((), dtype=torch.bool, device=device)
         # the forward's peaks, whether they call for a look, and the overflow flag: copied to the host
-        # at each update without waiting (``_mirror``), read once the copy has arrived
+        # at each update without waiting, read once the copy has arrived (``ForwardRepair``)
         capacity = self._state.forward.capacity if self._state is not None else 0
         self._snapshot = torch.zeros(capacity + 2, device=device) if self._state is not None else None
-        self._mirror = HostMirror()
-        # the step of each snapshot on its way to the host, and whether that step watched its forward
-        self._snapshot_steps: deque[tuple[int, bool]] = deque()
-        self._update_scales = CompiledUpdate(adaptive_update, fused=_fused_update)
+        self._repair = ForwardRepair(self._state.forward, self.overflow_config) if self._state is not None else None
+        # (one Triton launch where the config's form asks for it: ``Form.fused_update``)
+        fused = isinstance(config, Config) and FORMS[config.form].fused_update
+        self._update_scales = CompiledUpdate(adaptive_update, fused=_fused_update if fused else None)
         self._bound: _Bound | None = None  # the steady state's update (``_update_bound``)
         self._constants: tuple[float, dict[str, float]] | None = None  # (gradient_max, update constants)
         self._stages: dict[int, _Stage] = {}
         self._steps = 0
         self._telemetry = Path(telemetry) if telemetry is not None else None
-        self._group = process_group
-        self._agreed = False  # this step's flags are already reduced across ranks
+        self._ranks = Ranks(process_group)  # who decides the skips and the scales together
         self._decided: bool | None = None  # this step's overflow flag, when step() synced for it
         # Whether scale() multiplies: adaptive mode's loss scale stays 1 unless update(new_scale) sets one.
         self._multiplies = cfg.mode not in ("none", "adaptive")
-        self._streak = 0  # consecutive steps non-finite with nothing left to promote
-        self._events: dict[str, Any] = {}  # this step's forward-overflow findings, for telemetry
         # the statistics of the last update after a step that measured (``layers()``), kept apart
         # when steps in between measure nothing (``measure_every``): their updates' hold none
         self._measured_stats: torch.Tensor | None = None
-        self._remeasure = False  # the host saw a skipped step: measure the next one (``_measure_next``)
+        self._remeasure = False  # step() saw a skipped step: measure the next one (``_measure_next``)
         self._measure_next()
 
     # ------------------------------------------------------------------ torch.amp interface
@@ -227,7 +234,7 @@ class GradScaler:
             inv_scale = self._loss_scale.double().reciprocal().float() if unscale else torch.ones(())
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
             self._found_inf += found.to(self._found_inf.device)
-        self._agreed = False
+        self._ranks.changed()
         self._decided = None
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -274,8 +281,10 @@ class GradScaler:
             if snapshot is None:
                 self._collect()
                 snapshot = self._update_adaptive()
-            self._watch_forward(snapshot)
-            assert self._state is not None and self._last_stats is not None
+            assert self._state is not None and self._last_stats is not None and self._repair is not None
+            if self._mirrored:
+                self._repair.watch(snapshot, step=self._steps + 1, watched=self._state.measuring,
+                                    decided=bool(self._decided))
             if self.config.measure_every > 1 and self._state.measuring and (
                     (self._steps + 1) % self.config.update_every == 0):
                 self._measured_stats = self._last_stats.clone()
@@ -298,9 +307,11 @@ class GradScaler:
         self._grads.clear()
         self._measure_next()
         if self._telemetry is not None:
-            self._write_telemetry(overflow)
+            events = self._repair.take_events() if self._repair is not None else None
+            append_record(self._telemetry, step=self._steps, skipped=bool(overflow), loss_scale=self.get_scale(),
+                          layers=self.layers(), forward=events)
         self._stages.clear()
-        self._agreed = False
+        self._ranks.changed()
         self._decided = None
 
     @property
@@ -372,12 +383,13 @@ class GradScaler:
     def _measure_next(self) -> None:
         """Tell the model's forward whether the coming step measures its gradients: the first, every
         ``measure_every``-th after it, and the next after a skipped step the host has seen (at once
-        where ``step()`` read the flag, else when the snapshot arrives: ``_watch_forward``), so that
-        the scale that overflowed is found and backed off (a step that measures nothing blames no
-        row: ``insert_grad_scaling``'s ``lighten``). The graph for each value is compiled at its
-        first use."""
+        where ``step()`` read the flag, else when the snapshot arrives: ``ForwardRepair.take_skipped``),
+        so that the scale that overflowed is found and backed off (a step that measures nothing
+        blames no row: ``insert_grad_scaling``'s ``lighten``). The graph for each value is compiled
+        at its first use."""
+        seen = self._repair.take_skipped() if self._repair is not None else False
         if self._state is not None:
-            self._state.measuring = self._remeasure or self._steps % self.config.measure_every == 0
+            self._state.measuring = self._remeasure or seen or self._steps % self.config.measure_every == 0
         self._remeasure = False
 
     # -------------------------------------------------------------------------- reporting
@@ -408,7 +420,7 @@ class GradScaler:
 
     def promotions(self) -> list[Promotion]:
         """The ops promoted to float32 after a forward overflow, in the order they were."""
-        return list(self._state.forward.promoted.values()) if self._state is not None else []
+        return self._repair.promotions() if self._repair is not None else []
 
     # --------------------------------------------------------------------------- internals
 
@@ -436,61 +448,12 @@ class GradScaler:
             return self._found_inf
         return torch.maximum(self._found_inf, self._state.any_nonfinite)
 
-    def _world(self) -> int:
-        """How many ranks decide together (1 without torch.distributed)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self._group)
-
     def _collect(self) -> None:
         """Bring this step's statistics together: from every graph (graph breaks), then from every
         rank (torch.distributed)."""
         if self._state is not None and self._state.graph_stats:
             self._state.gather()
-        self._agree()
-
-    def _agree(self) -> None:
-        """Make every rank decide alike: one all-reduce (MAX) of this step's inf/nan flags, the
-        layers' largest gradients, the negated scales (so every rank takes the smallest) and the
-        forward's peaks.
-
-        DDP all-reduces parameter gradients, but a compiled backward checks and measures its
-        gradients before they reach DDP's hooks: an overflow on one rank would otherwise skip the
-        step there alone and leave the ranks' weights apart. MAX is idempotent, so reducing again
-        after more local checks (a second optimizer's ``unscale_``) is harmless. Every rank must
-        call ``step``/``update`` alike, as with any collective.
-        """
-        if self._agreed or self._world() == 1:
-            return
-        parts = [self._found_inf.view(1)]
-        if self._state is not None:
-            stats, peaks = self._state.stats, self._state.peaks
-            # (the forward's peaks too, so that every rank promotes the same ops; nan as inf: MAX may drop nan)
-            parts += [stats[:, STAT["nonfinite"]], stats[:, STAT["amax"]], -self._state.scales,
-                      torch.nan_to_num(peaks, nan=math.inf, posinf=math.inf)]
-        packed = torch.cat(parts)
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group)
-        self._found_inf.copy_(packed[0])
-        if self._state is not None:
-            rows = len(self._state.layers)
-            flags, amax, neg_scales = packed[1:1 + 3 * rows].view(3, rows)
-            stats[:, STAT["nonfinite"]] = flags
-            stats[:, STAT["amax"]] = amax
-            self._state.scales.copy_(-neg_scales)
-            peaks.copy_(packed[1 + 3 * rows:])
-        self._agreed = True
-
-    def _sum_stats(self) -> None:
-        """Sum the additive statistics (Σg, Σg², counts) over ranks before an update reads them:
-        one all-reduce every ``update_every`` steps, of what each rank accumulated since."""
-        assert self._state is not None
-        if self._world() == 1:
-            return
-        stats = self._state.stats
-        additive = [i for name, i in STAT.items() if name not in ("nonfinite", "amax")]
-        summed = stats[:, additive].contiguous()
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._group)
-        stats[:, additive] = summed
+        self._ranks.agree(self._found_inf, self._state)
 
     def _check_instrumented(self) -> None:
         """Warn, once, when no compiled graph serves this scaler: the model is not compiled by autoscale."""
@@ -508,16 +471,19 @@ class GradScaler:
         """``adaptive_update`` on this scaler's state, on the device: one compiled kernel when
         Inductor compiles the model's graphs, eager ops otherwise. Returns the snapshot it wrote."""
         assert self._state is not None and self._last_stats is not None and self._snapshot is not None
+        assert self._repair is not None
         cfg, state, forward = self.config, self._state, self._state.forward
         due = (self._steps + 1) % cfg.update_every == 0
         if due:
-            self._sum_stats()
-        bound = self._paper_scales(state.stats) if due and cfg.rule == "paper" else None
+            self._ranks.sum_stats(state.stats)
+        bound = (paper_scales(state.stats, state.layers, dict(self._model.named_modules()), gamma=cfg.gamma)
+                 if due and cfg.rule == "paper" else None)
         constants = self._update_constants()
         peaks = state.peaks
         forward.follow(peaks.device)
         # (without sites, and with every step measured, nothing reads the snapshot: it goes to a scratch tensor)
-        snapshot = self._mirror.destination(len(self._snapshot), peaks.device) if self._mirrored else self._snapshot
+        snapshot = (self._repair.mirror.destination(len(self._snapshot), peaks.device) if self._mirrored
+                    else self._snapshot)
         tensors = UpdateTensors(state.scales, state.stats, self._last_stats, self._overflows, self._skips,
                                 self._found_inf, self._last_skipped, peaks, forward.alarm_low,
                                 forward.alarm_high, forward.outputs, snapshot)
@@ -525,7 +491,7 @@ class GradScaler:
         compiled = self._update_scales((*tensors, bound), variant=variant,
                                        compile=state.inductor_graphs > 0 and state.inductor_graphs == state.graphs,
                                        due=due, **constants)
-        steady = cfg.update_every == 1 and bound is None and not state.graph_stats and self._world() == 1
+        steady = cfg.update_every == 1 and bound is None and not state.graph_stats and self._ranks.size() == 1
         self._bound = None if compiled is None or not steady else _Bound(
             compiled, tuple(tensors[:-1]), state.graphs, len(self._snapshot) if self._mirrored else None)
         return snapshot
@@ -536,12 +502,17 @@ class GradScaler:
         flag alone when steps between measured ones measure nothing (``_measure_next``)."""
         return self._state is not None and (bool(self._state.forward.sites) or self.config.measure_every > 1)
 
+    @property
+    def _mirror(self) -> HostMirror | None:
+        """Where the update's snapshots go to the host (``ForwardRepair.mirror``), None outside adaptive
+        mode: ``benchmarks.host_reads`` exempts reads of its buffers, which never wait for the device."""
+        return self._repair.mirror if self._repair is not None else None
+
     def _update_bound(self) -> torch.Tensor | None:
         """The steady state's update: the compiled update on the tensors the last full update bound,
         and the snapshot it wrote; None when they may be stale (then the full update runs, and binds
         again). After a backward, with the caches cold, the full update's Python around the compiled
-        call took twice the call itself (the quick MLP of ``benchmarks.overhead``: 109 µs a step
-        against 35 µs for the call alone; torch.amp's update 21 µs).
+        call costs more than the call itself (docs/results/overhead_quick.md).
 
         What the bound tensors come from changes only when the model's buffers are replaced
         (``model.to``: checked here), a graph is compiled (it may add forward sites or change the
@@ -549,15 +520,15 @@ class GradScaler:
         (``_follow`` unbinds), or ranks join (checked here). The constants are compiled in: every
         step is due (``update_every=1``) and the rule has no per-step bound ("headroom")."""
         bound, state = self._bound, self._state
-        if bound is None or state is None or bound.graphs != state.graphs or self._world() != 1:
+        if bound is None or state is None or bound.graphs != state.graphs or self._ranks.size() != 1:
             return None
         tensors = bound.tensors
         peaks = tensors[_PEAKS_AT]
         if not state.holds(tensors[_SCALES_AT], tensors[_STATS_AT], peaks):
             return None
-        assert self._snapshot is not None
+        assert self._snapshot is not None and self._repair is not None
         snapshot = (self._snapshot if bound.snapshot_size is None
-                    else self._mirror.destination(bound.snapshot_size, peaks.device))
+                    else self._repair.mirror.destination(bound.snapshot_size, peaks.device))
         bound.call(*tensors, snapshot)
         return snapshot
 
@@ -573,105 +544,6 @@ class GradScaler:
                 "high": high, "headroom": headroom(cfg.margin, gradient_max)})
         return self._constants[1]
 
-    # ------------------------------------------------------------------ forward overflow
-
-    def _watch_forward(self, snapshot: torch.Tensor) -> None:
-        """Act on what the forward's overflow checks saw (``_act``), without waiting for the device.
-
-        ``adaptive_update`` wrote ``snapshot``: this step's peaks, whether they call for a look (a float16
-        value near 65504, a cast source in range, nan) and the overflow flag; the snapshot is copied
-        to the host asynchronously (``HostMirror``) and read once it has arrived: at once on a CPU,
-        usually at the next update on CUDA. The skip itself is always decided on the device, from the
-        gradients; only the diagnosis and the repair may come a step later. When ``step()`` already
-        knows the step was skipped (it read the flag for a plain optimizer), it is read now: a
-        skipped step is no steady state, and the repair should not wait for another one.
-        """
-        assert self._state is not None
-        if not self._mirrored:
-            return
-        step = self._steps + 1  # (numbered from 1, as the telemetry does)
-        watched = self._state.measuring  # (a step that measures nothing watches nothing: ``measure_every``)
-        if self._decided and snapshot.device.type != "cpu":
-            host = snapshot.cpu()
-            self._read_snapshot(host, *host[-2:].tolist(), step=step, watched=watched)
-            return
-        self._mirror.post(snapshot)
-        self._snapshot_steps.append((step, watched))
-        for host in self._mirror.poll():
-            values = self._mirror.values(host)  # (its flags read with no torch op: ``HostMirror.values``)
-            step, watched = self._snapshot_steps.popleft()
-            self._read_snapshot(host, values[-2], values[-1], step=step, watched=watched)
-
-    def _read_snapshot(self, host: torch.Tensor, alarm: float, skipped: float, *, step: int, watched: bool) -> None:
-        """Act on the snapshot ``host`` if its flags (its last two values) say so. A step whose
-        forward was not ``watched`` (one that measures nothing) says nothing of the forward: a skip
-        there only has the next step measure, which watches, and the run of non-finite forwards that
-        ``OverflowConfig.patience`` counts neither grows nor ends."""
-        self._remeasure |= bool(skipped)
-        if not watched:
-            return
-        if (alarm or skipped) and self._state is not None and self._state.forward.sites:
-            self._act(host[:-2], skipped=bool(skipped), step=step)
-        else:
-            self._streak = 0
-
-    def _act(self, peaks: torch.Tensor, *, skipped: bool, step: int) -> None:
-        """Repair what the peaks show (``ForwardSites.repair``); when a skipped step has something
-        promotion cannot fix, warn, and raise once that has happened ``OverflowConfig.patience``
-        steps in a row. ``step`` counts from 1, as the telemetry does."""
-        assert self._state is not None
-        forward, cfg = self._state.forward, self.overflow_config
-        repair = forward.repair(peaks, skipped=skipped, step=step, max_recompiles=cfg.max_recompiles)
-        self._events = forward.events(repair)
-        if repair.added:
-            seen = forward.describe_slots(repair.found, repair.found.overflowed + repair.found.near)
-            log.warning("forward overflow at step %d: %s; computing %s in float32 from the next step "
-                        "(recompile %d of at most %d)", step, seen, ", ".join(p.key for p in repair.added),
-                        forward.recompiles, cfg.max_recompiles)
-        if not repair.stuck:
-            self._streak = 0  # a good step, a gradient overflow (the scales' business), or repaired now
-            return
-        self._streak += 1
-        message = (f"the forward is non-finite at step {step}: {repair.stuck}. "
-                   f"The step was skipped ({self._streak} in a row)")
-        if self._streak >= cfg.patience:
-            raise NonFiniteForwardError(message + f"; stopping after OverflowConfig.patience={cfg.patience} such "
-                                        "steps rather than skipping forever")
-        log.warning("%s; GradScaler raises after %d in a row", message, cfg.patience)
-
-    def _paper_scales(self, stats: torch.Tensor) -> torch.Tensor:
-        """The IJCAI 2020 rule per row: s_uf from the predicted spread of the layer's GEMM output,
-        bounded by s_of; rows without a weight fall back to the headroom rule (inf here)."""
-        assert self._state is not None
-        modules = dict(self._model.named_modules())
-        gamma_factor = math.sqrt(2) * _erfinv(self.config.gamma)  # 1.2533e-3 for γ = 1e-3
-        out = torch.full_like(stats[:, 0], math.inf)
-        count = stats[:, STAT["count"]].clamp_min(1)
-        mean_g = stats[:, STAT["sum"]] / count
-        var_g = (stats[:, STAT["sumsq"]] / count - mean_g**2).clamp_min(0)
-        for row, name in enumerate(self._state.layers):
-            weight = getattr(modules.get(name), "weight", None)
-            if row == LOSS_ROW or not isinstance(weight, torch.Tensor) or weight.dim() < 2:
-                continue
-            w = weight.detach().float()
-            k = w.numel() / w.shape[1]
-            sigma_o = torch.sqrt((var_g[row] + mean_g[row] ** 2) * (w.var() + w.mean() ** 2)) * math.sqrt(k / 2)
-            s_uf = FP16_MIN_SUBNORMAL / (gamma_factor * sigma_o.clamp_min(1e-30))
-            s_of = (FP16_MAX / k) / (stats[row, STAT["amax"]] * w.abs().amax()).clamp_min(1e-30)
-            out[row] = torch.minimum(s_uf, s_of)
-        return out
-
-    def _write_telemetry(self, overflow: torch.Tensor | bool) -> None:
-        record = {"step": self._steps, "skipped": bool(overflow), "loss_scale": self.get_scale(),
-                  "layers": {r.name: {"scale": r.scale, "zero_rate": r.zero_rate, "overflows": r.overflows,
-                                      **({"float32_ops": list(r.float32_ops)} if r.float32_ops else {})}
-                             for r in self.layers()}}
-        if self._events:
-            record["forward"], self._events = self._events, {}
-        assert self._telemetry is not None
-        with self._telemetry.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
 
 def _refuse_double_backward(grad: torch.Tensor) -> None:
     """A hook on a scaled output: grad mode is on in a backward only under ``create_graph=True``."""
@@ -682,13 +554,9 @@ def _refuse_double_backward(grad: torch.Tensor) -> None:
             "backward, with any backend). Compute the penalty on an uncompiled model, with torch.amp.")
 
 
-def _erfinv(x: float) -> float:
-    return float(torch.special.erfinv(torch.tensor(x, dtype=torch.float64)))
-
-
 def _fused_update(tensors: tuple[torch.Tensor | None, ...], **constants: Any) -> Callable[..., None] | None:
-    """``autoscale.kernels.update.fused_update``, imported where a device's form asks for it:
-    ``import autoscale`` stays free of triton."""
+    """``autoscale.kernels.update.fused_update``, imported where the form asks for it: ``import
+    autoscale`` stays free of triton."""
     from autoscale.kernels.update import fused_update
 
     return fused_update(tensors, **constants)

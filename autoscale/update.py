@@ -7,31 +7,33 @@ the forward's peaks (with whether they call for a look on the host) for an async
 never asks the host what happened, so it is the same code whether ``step()`` synced for the
 overflow flag (a plain optimizer) or not (a fused one).
 
-Run eagerly it is ~25 small ops (on this CPU ~0.15 ms right after a backward, each op finding
-cold caches). :class:`CompiledUpdate` compiles it the first time a scaler whose model Inductor
-compiles updates: with Inductor into one C++ kernel on a CPU, as one Triton launch on a GPU
-(``autoscale.kernels.update``, which Inductor would make seven); eagerly otherwise (the eager
-executor, ``autoscale.convert``), or if compiling fails.
+Run eagerly it is ~25 small ops, each finding cold caches right after a backward.
+:class:`CompiledUpdate` compiles it the first time a scaler whose model Inductor compiles updates:
+with Inductor into one C++ kernel on a CPU, or, in the "fewer_launches" form, as one Triton launch
+on a GPU (``autoscale.kernels.update``, which Inductor would make seven); eagerly otherwise (the
+eager executor, ``autoscale.convert``), or if compiling fails.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Sequence
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from autoscale.config import ScalingConfig
-from autoscale.measure import STAT, form_of
-from autoscale.ops import SCALE_RANGE
 from autoscale.overflow import alarm, outputs_nonfinite
-from autoscale.runtime import LOSS_ROW
+from autoscale.protocol import FP16_MAX, LOSS_ROW, SCALE_RANGE, STAT
 
-__all__ = ["CompiledUpdate", "UpdateTensors", "adaptive_backoff", "adaptive_update", "dynamic_update", "pow2floor",
-           "rule_scales"]
+__all__ = ["CompiledUpdate", "UpdateTensors", "adaptive_backoff", "adaptive_update", "dynamic_update", "paper_scales",
+           "pow2floor", "rule_scales"]
 
 log = logging.getLogger("autoscale")
+
+FP16_MIN_SUBNORMAL = 2.0**-24
 
 _NONFINITE, _AMAX = STAT["nonfinite"], STAT["amax"]
 
@@ -122,6 +124,35 @@ def rule_scales(scales: torch.Tensor, stats: torch.Tensor, bound: torch.Tensor |
     return amax > 0, torch.minimum(pow2floor(target), scales * growth)
 
 
+def paper_scales(stats: torch.Tensor, layers: Sequence[str], modules: Mapping[str, nn.Module], *,
+                 gamma: float) -> torch.Tensor:
+    """The IJCAI 2020 rule per row of ``stats`` (the ``bound`` that ``rule_scales`` takes; ``layers``
+    names the rows, ``modules`` the model's by name): s_uf from the predicted spread of the layer's
+    GEMM output, so that a fraction ``gamma`` of it at most underflows float16, bounded by s_of (``k``
+    products of the row's largest gradient and weight stay below float16's max); rows without a
+    weight fall back to the headroom rule (inf here)."""
+    gamma_factor = math.sqrt(2) * _erfinv(gamma)  # 1.2533e-3 for γ = 1e-3
+    out = torch.full_like(stats[:, 0], math.inf)
+    count = stats[:, STAT["count"]].clamp_min(1)
+    mean_g = stats[:, STAT["sum"]] / count
+    var_g = (stats[:, STAT["sumsq"]] / count - mean_g**2).clamp_min(0)
+    for row, name in enumerate(layers):
+        weight = getattr(modules.get(name), "weight", None)
+        if row == LOSS_ROW or not isinstance(weight, torch.Tensor) or weight.dim() < 2:
+            continue
+        w = weight.detach().float()
+        k = w.numel() / w.shape[1]
+        sigma_o = torch.sqrt((var_g[row] + mean_g[row] ** 2) * (w.var() + w.mean() ** 2)) * math.sqrt(k / 2)
+        s_uf = FP16_MIN_SUBNORMAL / (gamma_factor * sigma_o.clamp_min(1e-30))
+        s_of = (FP16_MAX / k) / (stats[row, STAT["amax"]] * w.abs().amax()).clamp_min(1e-30)
+        out[row] = torch.minimum(s_uf, s_of)
+    return out
+
+
+def _erfinv(x: float) -> float:
+    return float(torch.special.erfinv(torch.tensor(x, dtype=torch.float64)))
+
+
 def pow2floor(x: torch.Tensor) -> torch.Tensor:
     """The largest power of two not above ``x`` (positive), exactly: ``2**floor(log2 x)``, corrected
     by one step where ``log2``'s last-bit error put it on the wrong side (compiled and eager
@@ -174,24 +205,23 @@ not take (``autoscale.kernels.update.fused_update``)."""
 
 class CompiledUpdate:
     """``fn(*tensors, **constants)`` compiled on first use, or run eagerly when ``compile`` is False
-    or compiling fails: by ``fused`` where the tensors' device's form takes a fused update
-    (``autoscale.measure.Form.fused_update``: a GPU, one launch) and ``fused`` takes the state, by
-    Inductor otherwise (on a CPU, one C++ kernel; for a GPU, seven: docs/results/kernel_counts.md).
+    or compiling fails: by ``fused`` where one is given (``autoscale.protocol.Form.fused_update``: one
+    launch on a GPU) and it takes the state, by Inductor otherwise (on a CPU, one C++ kernel; for a
+    GPU, seven: docs/results/kernel_counts.md).
 
     ``fn`` updates its tensor arguments in place. It is traced with ``make_fx`` on fake tensors
     and compiled with Inductor's ``compile_fx``, once per ``variant`` (a key the caller gives for
     the constants and for what a tensor argument is: None or not, its device), and called
     directly: through ``torch.compile``, Dynamo's frame evaluation and guards on a dozen tensors
-    cost ~180 µs a call on this CPU, ten times the kernel. What ``compile_fx`` returns is still
-    four wrappers deep (Dynamo's disable, AOTAutograd's forward and runtime wrapper, the output
-    code), and right after a backward, with the caches cold, those layers cost a third of the
-    call (47 µs against 33 µs on the quick MLP of ``benchmarks.overhead``). The graph mutates its
-    inputs and returns nothing, which an inference graph keeps in itself, so the output code that
-    Inductor compiled (caught on its way out of ``compile_fx_inner``) is called directly, with the
-    boxed calling convention (a list of the tensors), when there is exactly one; from its second
-    call, the generated module's ``call`` inside it (``_boxed``). Its size and
-    stride asserts, one per tensor, cost ~12 µs of that call cold: a variant is also keyed by its
-    tensors' layouts, so it is compiled without them.
+    would cost many times the kernel. What ``compile_fx`` returns is still four wrappers deep
+    (Dynamo's disable, AOTAutograd's forward and runtime wrapper, the output code), and right after
+    a backward, with the caches cold, those layers are a sizeable share of the call. The graph
+    mutates its inputs and returns nothing, which an inference graph keeps in itself, so the output
+    code that Inductor compiled (caught on its way out of ``compile_fx_inner``) is called directly,
+    with the boxed calling convention (a list of the tensors), when there is exactly one; from its
+    second call, the generated module's ``call`` inside it (``_boxed``). Its size and stride
+    asserts, one per tensor, are a share of that call too: a variant is also keyed by its tensors'
+    layouts, so it is compiled without them.
 
     The first call of each variant is checked, fused or compiled: ``fn`` runs eagerly on copies of
     the tensors, and the results must equal it bit for bit (nan where nan), or the eager results are
@@ -228,8 +258,7 @@ class CompiledUpdate:
 
     def _first_call(self, tensors: Sequence[torch.Tensor | None], present: list[torch.Tensor], variant: Hashable,
                     constants: dict[str, Any]) -> Callable[..., None] | None:
-        compiled = (self._fused(tuple(tensors), **constants)
-                    if self._fused is not None and form_of(present[0].device).fused_update else None)
+        compiled = self._fused(tuple(tensors), **constants) if self._fused is not None else None
         if compiled is None:
             compiled = self._inductor(tensors, present, constants)
         expected = [t.clone() for t in present]
@@ -262,8 +291,8 @@ class CompiledUpdate:
             return code
 
         # Traced on fake tensors of a mode with a shape environment, as Dynamo's are: Inductor's
-        # FX graph cache takes no graph without one, and a warm start compiled the update again
-        # (1.2 s of the quick MLP's 4.2 s first step). Its shapes stay static. Not AOTAutograd's
+        # FX graph cache takes no graph without one, and a warm start would compile the update
+        # again. Its shapes stay static. Not AOTAutograd's
         # cache: a graph it serves never reaches ``catch_inner``, and the update would be called
         # through the wrappers above.
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -286,8 +315,8 @@ def _boxed(code: Callable[[list[torch.Tensor]], Any]) -> Callable[..., Any]:
     with the tensors as arguments. The first call goes through the output code's own ``__call__``,
     which closes its compile's bookkeeping (the autotune cache's bundle, the runtime metrics); later
     calls go straight to the generated module's ``call`` it wraps (``current_callable``), which
-    skips that bookkeeping's checks: 2 µs less an ``update()`` on this CPU (the tiny MLP of
-    ``benchmarks.overhead --tiny``: 9.2 → 7.1 µs without forward checks; torch.amp's 6.5 µs)."""
+    skips that bookkeeping's checks, which every steady-state ``update()`` would pay
+    (docs/results/overhead_tiny.md)."""
     run = code
 
     def call(*tensors: torch.Tensor) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import platform
 from pathlib import Path
 from typing import Literal
@@ -77,10 +78,21 @@ def size_of(args: argparse.Namespace) -> Size:
 
 
 def write_report(path: Path, text: str) -> None:
-    """Write a report's ``text`` to ``path``, keeping the hand-written analysis of the report already
-    there (``notes_of``) after it."""
+    """Write a report's ``text`` to ``path``, then the run's date (``run_line``), then the
+    hand-written analysis of the report already there (``notes_of``), kept. docs/results/README.md,
+    the index, gives each report's latest figure with that date."""
     notes = notes_of(path)
-    path.write_text(text + ("\n" + notes if notes else ""))
+    path.write_text(with_run_line(text) + ("\n" + notes if notes else ""))
+
+
+def run_line() -> str:
+    """The line that dates a report's figures: the day the run wrote them."""
+    return f"Run on {datetime.date.today().isoformat()}."
+
+
+def with_run_line(text: str) -> str:
+    """A report's generated ``text`` with ``run_line`` after it."""
+    return text.rstrip("\n") + "\n\n" + run_line() + "\n"
 
 
 def machine_line() -> str:

@@ -14,18 +14,20 @@ ones and views (the host's other work in a launch-bound step). Nothing is compil
 and nothing runs on a device: every Triton kernel is a stub that does nothing, so the steps compute
 garbage and only the graphs' structure is measured. The loss, ``step()`` (the optimizer, and
 torch.amp's unscaling) and torch.amp's own scale update are not in a compiled graph and are not
-counted; autoscale's update is, a compiled graph in the CPU's form, and in the GPU's form one
-launch of its own Triton kernel (``autoscale.kernels.update``), which is counted as it launches (a
-stub too: the update's check of its first call then finds garbage, and warns).
+counted; autoscale's update is, a compiled graph in the default form, and in the
+"fewer_launches" form one launch of its own Triton kernel (``autoscale.kernels.update``), which is
+counted as it launches (a stub too: the update's check of its first call then finds garbage, and
+warns).
 
 Models: those of ``benchmarks.overhead``; a wide CNN (its CNN at 128 channels, which a GPU lays
 out channels-last, as a ResNet's convolutions); and T5 1+1 (``benchmarks.overflow_models``: a
 real architecture's graph, attention with Q, K and V projections of their own). Methods, for each:
-  (a) autoscale on a GPU: float16 GEMMs, and the points and checks in the GPU's form
-      (``autoscale.measure.ACCELERATOR_FORM``: each output written by its producer's kernel, each
-      reduction handed to the fold as partial results)
-  (a-cpu) the same in the CPU's form (``autoscale.measure.FORMS["cpu"]``): each point's output
-      written after its peak, in place; each reduction whole
+  (a) autoscale on a GPU as it runs by default: float16 GEMMs, and the points and checks in the
+      default form (``autoscale.protocol.FORMS["default"]``): each point's output written after
+      its peak, in place; each reduction whole
+  (a-fl) the same with ``Config(form="fewer_launches")``, laid out for a GPU's launch count: each
+      output written by its producer's kernel, each reduction handed to the fold as partial
+      results, by rows; the update one launch. Never yet timed on a GPU, so not the default
   (b) the baseline of ``benchmarks.overhead --device cuda``: torch.compile of the model under
       ``torch.autocast(float16)``, with torch.amp.GradScaler
 
@@ -48,7 +50,6 @@ import torch
 import torch.nn as nn
 
 import autoscale
-from autoscale import measure
 from benchmarks import Autocast, Size, publish, size_of, step_parser
 from benchmarks.overflow_models import T5, t5_batch
 from benchmarks.overhead import MODELS, _Method, conv_net
@@ -56,9 +57,12 @@ from benchmarks.overhead import MODELS, _Method, conv_net
 __all__ = ["COUNTED", "GRAPHS", "METHODS", "Counts", "count", "count_step", "launches", "main", "report", "t5",
            "triton_codegen_on_cpu", "wide_cnn"]
 
-A_GPU, A_CPU_FORM, B = ("(a) autoscale, the GPU's form", "(a-cpu) autoscale, the CPU's form",
-                        "(b) torch.compile + autocast(float16) + torch.amp.GradScaler")
-METHODS = (A_GPU, A_CPU_FORM, B)
+A_DEFAULT, A_FEWER, B = ("(a) autoscale", '(a-fl) autoscale, form="fewer_launches"',
+                          "(b) torch.compile + autocast(float16) + torch.amp.GradScaler")
+METHODS = (A_DEFAULT, A_FEWER, B)
+A_IN_PARTS = '(a-fl-parts) autoscale, form="fewer_launches_in_parts"'
+"""Not in the report: (a-fl) without ``Form.rows``, which tests weigh (a-fl) against."""
+FORM = {A_DEFAULT: "default", A_FEWER: "fewer_launches", A_IN_PARTS: "fewer_launches_in_parts"}
 GRAPHS = ("forward", "backward", "update")
 H200 = {"multi_processor_count": 132, "cc": 90, "major": 9, "regs_per_multiprocessor": 65536,
         "max_threads_per_multi_processor": 2048, "max_threads_per_block": 1024, "warp_size": 32}
@@ -158,17 +162,6 @@ def launches(source: str) -> Counts:
                   tensors=len(re.findall(r"\b(?:empty_strided\w*|reinterpret_tensor)\(", body)))
 
 
-@contextlib.contextmanager
-def _cpu_form(form: measure.Form) -> Iterator[None]:
-    """Within: CPU tensors take ``form`` (``autoscale.measure.FORMS``)."""
-    saved = measure.FORMS["cpu"]
-    measure.FORMS["cpu"] = form
-    try:
-        yield
-    finally:
-        measure.FORMS["cpu"] = saved
-
-
 def wide_cnn(size: Size) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """``benchmarks.overhead``'s CNN at 128 channels, a ResNet's width, which a GPU's Inductor lays
     out channels-last (more than 64 channels: ``GraphLowering.decide_layout_opt``), on images small
@@ -212,24 +205,18 @@ def count(name: str, size: Size, methods: tuple[str, ...] = METHODS) -> dict[str
 def count_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, methods: tuple[str, ...] = METHODS, *,
                name: str = "the model") -> dict[str, dict[str, Counts]]:
     """``count`` for any model: a step of ``model`` on inputs ``x`` and class targets ``y``."""
-    native = autoscale.backend(autoscale.Config(compute="native"))
+    def make(label: str, m: nn.Module) -> _Method:
+        if label == B:
+            return _Method(torch.compile(Autocast(m, "cpu")), torch.amp.GradScaler("cpu"), m)
+        config = autoscale.Config(compute="native", form=FORM[label])
+        return _Method(torch.compile(m, backend=autoscale.backend(config)), autoscale.GradScaler(m, config), m)
 
-    def autoscale_on(m: nn.Module) -> _Method:
-        return _Method(torch.compile(m, backend=native), autoscale.GradScaler(m), m)
-
-    makers: dict[str, tuple[Callable[[nn.Module], _Method], measure.Form]] = {
-        A_GPU: (autoscale_on, measure.ACCELERATOR_FORM),
-        A_CPU_FORM: (autoscale_on, measure.FORMS["cpu"]),
-        B: (lambda m: _Method(torch.compile(Autocast(m, "cpu")), torch.amp.GradScaler("cpu"), m),
-            measure.FORMS["cpu"]),
-    }
     out: dict[str, dict[str, Counts]] = {}
     for label in methods:
-        make, form = makers[label]
         seen: list[tuple[str, Counts]] = []
-        with triton_codegen_on_cpu(seen), _cpu_form(form):
+        with triton_codegen_on_cpu(seen):
             torch._dynamo.reset()
-            make(copy.deepcopy(model)).step(x, y)
+            make(label, copy.deepcopy(model)).step(x, y)
         graphs = dict(seen)
         if len(graphs) != len(seen):
             raise RuntimeError(f"{label} on {name}: {[k for k, _ in seen]} compiled, one graph of each kind expected")

@@ -31,7 +31,7 @@ Every report also gives what each method adds a step over (b), in µs.
 
 Methods, for each model (interleaved rounds, medians):
   (a) autoscale: torch.compile(backend="autoscale") + autoscale.GradScaler (per-layer scales,
-      forward overflow checks: DESIGN.md §3.1)
+      forward overflow checks: docs/design.md#forward-overflow)
   (a') the same without the forward overflow checks (``OverflowConfig(watch=False)``): what the
       checks cost is a/a'
   (a'') on CUDA only: (a) with the scale points in the fused Triton kernel

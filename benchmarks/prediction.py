@@ -49,7 +49,7 @@ from torch.fx import GraphModule
 import autoscale
 from autoscale.layer_numbers import LayerNumbers, measure_layers, predict_layers
 from autoscale.passes import PIPELINE, analyze_underflow, run_stage
-from autoscale.passes.analyze_underflow import calibrate, seed_inputs
+from autoscale.passes.analysis.seeding import calibrate, seed_inputs
 from autoscale.passes.graph_utils import copy_graph_module
 from benchmarks import machine_line, write_report
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoscale
-from autoscale.ops import SCALE_RANGE
+from autoscale.protocol import SCALE_RANGE
 from autoscale.update import adaptive_backoff
 from benchmarks import write_report
 

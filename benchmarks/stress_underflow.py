@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoscale
+from benchmarks import write_report
 
 DEPTH, WIDTH, BATCH = 32, 64, 32
 
@@ -115,7 +116,7 @@ def main() -> None:
     text = table(rows)
     print(text)
     out = Path(__file__).resolve().parent.parent / "docs" / "results" / "scaling.md"
-    out.write_text("# Per-layer gradient scaling on the stress MLP\n\n" + (__doc__ or "") + "\n" + text + "\n")
+    write_report(out, "# Per-layer gradient scaling on the stress MLP\n\n" + (__doc__ or "") + "\n" + text + "\n")
 
 
 if __name__ == "__main__":

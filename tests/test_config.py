@@ -23,6 +23,7 @@ from autoscale import Config, ScalingConfig
         ({"allow": ("mm",), "deny": ("mm",)}, r"op 'mm' is listed in both Config.allow and Config.deny"),
         ({"scaling": "adaptive"}, r"Config.scaling must be a ScalingConfig"),
         ({"overflow": False}, r"Config.overflow must be an OverflowConfig"),
+        ({"form": "gpu"}, r"Config.form='gpu' is not valid; allowed values: 'default', 'fewer_launches'"),
     ],
 )
 def test_invalid_config_names_field_and_allowed_values(kwargs: dict, message: str) -> None:

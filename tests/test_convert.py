@@ -29,7 +29,7 @@ from autoscale.convert import (
     load,
     save,
 )
-from autoscale.ops import rescale
+from autoscale.ops import rescale, watch
 from autoscale.passes.graph_utils import PROVENANCE_KEY
 from tests.helpers import Comparison, assert_matches_fp32, loss_of
 from tests.models import conv_case, mlp_case, transformer_case
@@ -155,6 +155,29 @@ def test_every_point_carries_the_configured_point_kernel(kernel: str) -> None:
         grads.append([p.grad.clone() for p in c.parameters()])  # type: ignore[union-attr]
         c.zero_grad(set_to_none=True)
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_every_point_and_check_carries_the_configured_form_through_a_save(tmp_path: Path) -> None:
+    """``Config.form`` reaches each point's and check's work (as the ``form`` its node carries, left
+    out for the default form), a step computes the same in either form, and a saved and loaded
+    module keeps it."""
+    model, inputs, targets = mlp_case()
+    converted = convert(model, inputs, config=EVERYWHERE.replace(form="fewer_launches"))
+    checks = converted.graph_module.graph.find_nodes(op="call_function", target=watch)
+    assert checks and all(n.kwargs.get("form") == "fewer_launches" for n in [*_rescales(converted), *checks])
+    reference = convert(model, inputs, config=EVERYWHERE)
+    assert not any("form" in n.kwargs for n in _rescales(reference))
+    save(converted, tmp_path / "mlp.autoscale")
+    loaded = load(tmp_path / "mlp.autoscale")
+    assert loaded.graph_module.code == converted.graph_module.code
+    grads = []
+    for c in (converted, reference, loaded):
+        scaler = autoscale.GradScaler(c)
+        scaler.scale(loss_of(c, inputs, targets)).backward()
+        grads.append([p.grad.clone() for p in c.parameters()])  # type: ignore[union-attr]
+        c.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[2], strict=True))
 
 
 def test_gradscaler_on_the_converted_module_uses_its_state_skips_overflows_and_updates_scales() -> None:
@@ -405,7 +428,7 @@ def test_another_format_version_is_refused(saved: Path) -> None:
 
     _rewrite(saved, with_version(FORMAT_VERSION + 1))
     with pytest.raises(FormatVersionError, match=f"saved by format version {FORMAT_VERSION + 1}, this autoscale "
-                                                 f"reads versions 1, 2: upgrade autoscale"):
+                                                 f"reads versions 1, 2, 3: upgrade autoscale"):
         load(saved)
     _rewrite(saved, with_version(1))  # (version 1's payload is version 2's; its graphs measure every point)
     assert isinstance(load(saved), ConvertedModule)

@@ -27,12 +27,12 @@ import autoscale
 from autoscale import Config, ScalingConfig
 from autoscale.diff import GraphDiff, OverflowDecision, diff, schema
 from autoscale.inspect import precision_report
-from autoscale.ops import FP16_MAX
 from autoscale.overflow import Promotion
 from autoscale.passes import PIPELINE, PassRecord, run_stage
-from autoscale.passes.analyze_underflow import seed_inputs
+from autoscale.passes.analysis.seeding import seed_inputs
+from autoscale.passes.dynamo.predict_overflow import PROMOTED_REASON
 from autoscale.passes.graph_utils import dtype_name
-from autoscale.passes.predict_overflow import PROMOTED_REASON
+from autoscale.protocol import FP16_MAX
 from autoscale.runtime import install_state
 from tests.helpers import capture
 from tests.models import MLP, mlp_case

@@ -74,14 +74,14 @@ def test_a_scale_point_as_the_graphs_output_costs_its_forward_no_runtime_op() ->
     ops = {event.name for event in profile.events()}
     assert "aten::addmm" in ops  # (the profiler sees the compiled forward's extern kernels)
     assert "aten::_unsafe_view" not in ops, ops
-    scales, stats = torch.ones(3), torch.zeros(3, autoscale.ops.NUM_STATS)
+    scales, stats = torch.ones(3), torch.zeros(3, autoscale.protocol.NUM_STATS)
     assert autoscale.ops.rescale(x.requires_grad_(), scales, stats, (1,), (0,))._is_view()
 
 
 def test_identical_layers_share_their_point_kernels() -> None:
     """The rescale points of identical layers compile to one kernel, called once per layer, as
     Inductor compiles a repeated layer's kernels once without scaling: a point reads its scales
-    from buffers of its own (``autoscale/passes/batch_row_reads.py``), not at a row index that Inductor
+    from buffers of its own (``autoscale/passes/joint/batch_row_reads.py``), not at a row index that Inductor
     would write into each kernel's source (a 3+3-layer T5 compiled 116 C++ kernels so, against 40)."""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
@@ -106,7 +106,7 @@ class _Residual(torch.nn.Module):
 def test_residual_blocks_at_every_depth_share_their_point_kernels() -> None:
     """On a residual stream the merges' scales are the largest of every later block's rows (sets
     that grow with depth), yet the blocks' points run the same kernels at every depth: a point
-    reads its two scales as two buffers (``autoscale/passes/batch_row_reads.py``), whatever the size of
+    reads its two scales as two buffers (``autoscale/passes/joint/batch_row_reads.py``), whatever the size of
     its sets. Read row by row, each depth's points took another number of row buffers and compiled
     to kernels of their own: here 9 kernels, none called more than twice (a 3+3-layer T5: 34
     backward kernels against 27)."""

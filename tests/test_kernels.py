@@ -18,24 +18,13 @@ from hypothesis import strategies as st
 import autoscale.measure
 from autoscale.kernels.reference import STATS, pack, scale_grad_reference
 from autoscale.kernels.scale_grad import BLOCK, Launch, scale_grad_triton
-from autoscale.measure import (
-    ARRIVED,
-    BAD,
-    LOSS_ROW,
-    MADE,
-    NUM_STATS,
-    PEAK,
-    STAT,
-    Measured,
-    _max_of,
-    largest,
-    scale_and_measure,
-    taken,
-)
+from autoscale.measure import Measured, largest, max_scale, scale_and_measure, taken
 from autoscale.ops import rescale
+from autoscale.protocol import ARRIVED, BAD, FORMS, LOSS_ROW, MADE, NUM_STATS, PEAK, STAT, Form
 
 SPECIAL = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 6.1e-5, 65504.0, -65504.0, 65519.0, 1e-3,
            float("inf"), float("-inf"), float("nan")]
+DEFAULT = FORMS["default"]
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
@@ -93,13 +82,13 @@ def test_cpu_path_measures_what_the_reference_counts(size: int, data: st.DataObj
     base = torch.tensor(fill or [0.0], dtype=torch.float32)
     grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
     f, c = torch.tensor(factor), torch.tensor(carried)
-    out, m = scale_and_measure(grad, f * c, c, moments=True, zeros=True)
+    out, m = scale_and_measure(grad, f * c, c, DEFAULT, moments=True, zeros=True)
     ref_out, fstats, counts = scale_grad_reference(grad, f, c)
     assert torch.equal(out, ref_out)
     assert m.total is not None and m.squares is not None and m.zeros is not None
     assert [m.total.item(), m.squares.item(), m.zeros.item()] == [*fstats[1:].tolist(), counts[2].item()]
     _reads_alike(m.value, Measured.from_stats(pack(fstats, counts), leaving=False).value)
-    lean = scale_and_measure(grad, f * c, c)[1]  # (what a point records by default: the same, and no more)
+    lean = scale_and_measure(grad, f * c, c, DEFAULT)[1]  # (what a point records by default: the same, and no more)
     assert lean.total is None and lean.squares is None and lean.zeros is None
     assert torch.equal(lean.value, m.value) or (lean.value.isnan() and m.value.isnan())
 
@@ -108,7 +97,7 @@ def test_a_float32_gradient_scaled_past_its_range_reads_as_made() -> None:
     """A float32 gradient the point's factor lifts past float32's range (a gradient of the loss
     scaled by 1e38) overflowed at the point: its value reads as "made", as the oracle counts it."""
     grad, f, c = torch.tensor([1e37, -2.0]), torch.tensor(2.0**10), torch.tensor(2.0**-3)
-    out, m = scale_and_measure(grad, f * c, c)
+    out, m = scale_and_measure(grad, f * c, c, DEFAULT)
     ref_out, fstats, counts = scale_grad_reference(grad, f, c)
     assert torch.equal(out, ref_out)
     _reads_alike(m.value, Measured.from_stats(pack(fstats, counts), leaving=False).value)
@@ -122,7 +111,7 @@ def test_largest_is_the_max_of_every_element_as_one_element(shape: list[int], da
     element, nan and inf carried through, as a one-element vector; 0 for no element."""
     n = math.prod(shape)
     x = torch.tensor(data.draw(st.lists(values, min_size=n, max_size=n)), dtype=torch.float32).view(shape)
-    peak = largest(x)
+    peak = largest(x, DEFAULT)
     assert peak.shape == (1,)
     expected = x.amax() if n else torch.tensor(0.0)
     assert torch.equal(peak.isnan(), expected.isnan().view(1))
@@ -148,7 +137,7 @@ def test_cpu_path_for_a_leaving_gradient_measures_its_output(size: int, data: st
     base = torch.tensor(fill or [0.0], dtype=torch.float32)
     grad = base.repeat(size // max(len(base), 1) + 1)[:size].to(dtype)
     f, c = torch.tensor(factor), torch.tensor(carried)
-    out, m = scale_and_measure(grad, f * c, c, leaving=True, moments=True, zeros=True)
+    out, m = scale_and_measure(grad, f * c, c, DEFAULT, leaving=True, moments=True, zeros=True)
     torch.testing.assert_close(out, (grad.float() * f).to(dtype), rtol=0, atol=0, equal_nan=True)  # exactly
     _, fstats, counts = scale_grad_reference(out, torch.tensor(1.0), f * c)
     assert m.total is not None and m.squares is not None and m.zeros is not None
@@ -216,11 +205,11 @@ def test_op_has_fake_impl_and_reference_cpu_path() -> None:
 @given(rows=st.lists(st.integers(0, 5), max_size=5))
 def test_set_scale_hands_a_sets_largest_scale_in_a_storage_of_its_own(rows: list[int]) -> None:
     """``autoscale::set_scale`` (one set's scale: what a point reads when traced, and computes where
-    no pass gathers the reads): the set's largest scale as ``_max_of`` computes it eagerly (the loss
+    no pass gathers the reads): the set's largest scale as ``max_scale`` computes it eagerly (the loss
     row's and an empty set's 1), in a storage of its own as the schema promises, and a fake impl."""
     scales = torch.tensor([1.0, 2.0**15, 0.5, 2.0**-3, 8.0, 3.0])
-    largest = autoscale.measure.set_scale(scales, rows)
-    assert largest.dim() == 0 and largest.item() == _max_of(scales, tuple(rows)).item()
+    largest = autoscale.ops.set_scale(scales, rows)
+    assert largest.dim() == 0 and largest.item() == max_scale(scales, tuple(rows)).item()
     assert largest.untyped_storage().data_ptr() != scales.untyped_storage().data_ptr()
     torch.library.opcheck(torch.ops.autoscale.set_scale.default, (scales, rows))
 
@@ -232,7 +221,7 @@ def test_a_point_takes_the_loss_rows_scale_as_one_without_reading_it() -> None:
     as the 1 it is: tests/passes/test_batch_row_reads.py.)"""
     scales = torch.tensor([math.nan, 4.0, 0.5])
     assert LOSS_ROW == 0
-    for read in (lambda rows: _max_of(scales, rows), lambda rows: autoscale.measure.set_scale(scales, list(rows))):
+    for read in (lambda rows: max_scale(scales, rows), lambda rows: autoscale.ops.set_scale(scales, list(rows))):
         assert read((0,)).item() == 1.0 and read(()).item() == 1.0
         assert read((0, 2)).item() == 1.0 and read((0, 1)).item() == 4.0
         assert read((2,)).item() == 0.5 and read((1, 2)).item() == 4.0
@@ -277,7 +266,7 @@ def test_rescale_blames_non_finite_values_on_the_scale_that_made_them(monkeypatc
     assert stats[:, nonfinite].tolist() == [0.0, 1.0] and out.tolist() == [0.25, float("inf")]
     # what CUDA's kernel reports apart, an overflow the unscale made (a float16 parameter's gradient
     # whose layer scale fell below 1), is the layer's too, not lost
-    def like_cuda(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor, *, leaving: bool = False,
+    def like_cuda(grad: torch.Tensor, scale: torch.Tensor, carried: torch.Tensor, form: Form, *, leaving: bool = False,
                   moments: bool = False, zeros: bool = False, fused: bool = True) -> tuple[torch.Tensor, Measured]:
         out, fstats, counts = scale_grad_reference(grad, scale / carried, carried)
         return out, Measured.from_stats(pack(fstats, counts), leaving=leaving)

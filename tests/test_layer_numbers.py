@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 import autoscale
 from autoscale.layer_numbers import LayerNumbers, flushed_share, layer_parts, measure_layers, predict_layers
 from autoscale.passes import PIPELINE, PassSpec, analyze_underflow, run_stage
-from autoscale.passes.analyze_underflow import seed_inputs
+from autoscale.passes.analysis.seeding import seed_inputs
 from tests.helpers import capture
 
 

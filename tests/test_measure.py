@@ -1,5 +1,6 @@
-"""autoscale.measure's forms: a GPU's points and checks hand partial results, a CPU's whole ones,
-and either way a training step computes the same numbers, bit for bit."""
+"""autoscale.measure's forms: in the form laid out for a GPU's launch count
+(``Config(form="fewer_launches")``) points and checks hand partial results, in the default form whole
+ones, and either way a training step computes the same numbers, bit for bit."""
 
 from __future__ import annotations
 
@@ -12,68 +13,62 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoscale
-from autoscale import measure
-from autoscale.measure import ACCELERATOR_FORM, FORMS, PART_SIZE, counted, largest, whole
+from autoscale.measure import counted, largest, whole
+from autoscale.protocol import FORMS, PART_SIZE, ROW_SIZE, STAT
 from tests.tolerances import SQNR_MIN_DB_SAME_GRAPH, sqnr
 
-
-@pytest.fixture
-def gpu_form(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU tensors take the GPU's form (``ACCELERATOR_FORM``)."""
-    monkeypatch.setitem(FORMS, "cpu", ACCELERATOR_FORM)
+GPU = FORMS["fewer_launches"]
 
 
-def test_on_the_cpu_a_reduction_is_whole() -> None:
+def test_in_the_default_form_a_reduction_is_whole() -> None:
     x = torch.randn(64, PART_SIZE)
-    assert largest(x.abs()).shape == (1,) and counted(x > 0).shape == ()
+    assert largest(x.abs(), FORMS["default"]).shape == (1,) and counted(x > 0, FORMS["default"]).shape == ()
 
 
-@pytest.mark.usefixtures("gpu_form")
 def test_a_gpus_reductions_are_partial_results_of_at_least_a_part_each() -> None:
     """Where a value's rows do not serve (``Form.rows``): as many as the form takes, halved until each
     reduces ``PART_SIZE`` elements or more and they divide the value; one per element for a value of
     no more elements than that; whole for one not dense in memory (its partial results would read
     it through a copy)."""
     x = torch.randn(4 * PART_SIZE).abs()
-    peaks, counts = largest(x), counted(x > 1.0)
+    peaks, counts = largest(x, GPU), counted(x > 1.0, GPU)
     assert peaks.shape == (4,) and counts.shape == (4,)
     assert whole(peaks, "max").equal(x.amax()) and whole(counts, "sum") == (x > 1.0).sum()
-    assert largest(torch.randn(4 * ACCELERATOR_FORM.rows, 256).abs()).shape == (ACCELERATOR_FORM.parts,)
+    assert largest(torch.randn(4 * GPU.rows, 256).abs(), GPU).shape == (GPU.parts,)
     # (the largest power of two that divides it into parts of PART_SIZE or more)
-    assert largest(torch.randn(3 * PART_SIZE).abs()).shape == (2,)
-    assert largest(torch.randn(PART_SIZE + 1).abs()).shape == (1,)
+    assert largest(torch.randn(3 * PART_SIZE).abs(), GPU).shape == (2,)
+    assert largest(torch.randn(PART_SIZE + 1).abs(), GPU).shape == (1,)
     short_rows = torch.randn(32, 32, 3, 3).abs()  # (a convolution's weight: rows of 3, fewer than ROW_SIZE)
-    assert largest(short_rows).shape == (8,) and whole(largest(short_rows), "max").equal(short_rows.amax())
+    assert largest(short_rows, GPU).shape == (8,) and whole(largest(short_rows, GPU), "max").equal(short_rows.amax())
     small = torch.randn(10, 30).abs()  # (no more elements than parts: each its own, no reduction)
-    assert largest(small).shape == (300,) and whole(largest(small), "max").equal(small.amax())
-    assert counted(small > 1.0).shape == (300,)
-    assert largest(torch.randn(64, 8 * PART_SIZE).abs()[:, ::2]).shape == (1,)  # (not dense)
-    assert largest(torch.full((4 * PART_SIZE,), float("nan"))).isnan().all()
+    assert largest(small, GPU).shape == (300,) and whole(largest(small, GPU), "max").equal(small.amax())
+    assert counted(small > 1.0, GPU).shape == (300,)
+    assert largest(torch.randn(64, 8 * PART_SIZE).abs()[:, ::2], GPU).shape == (1,)  # (not dense)
+    assert largest(torch.full((4 * PART_SIZE,), float("nan")), GPU).isnan().all()
 
 
-@pytest.mark.usefixtures("gpu_form")
 def test_a_gpus_reductions_follow_a_values_rows_in_memory() -> None:
     """A value of more elements than the form's ``parts`` and at most its ``rows`` rows of
     ``ROW_SIZE`` or more hands on one partial result per row, its rows being those of its
     innermost dimension in memory: the reduction reads it at the indices at which the kernels that
     read it by rows read it (``Form.rows``)."""
     x = torch.randn(64, 128).abs()
-    assert largest(x).equal(x.amax(1)) and counted(x > 1.0).equal((x > 1.0).sum(1).float())
-    assert largest(torch.randn(16, 64, 128).abs()).shape == (1024,)  # (a batch of sequences' rows)
+    assert largest(x, GPU).equal(x.amax(1)) and counted(x > 1.0, GPU).equal((x > 1.0).sum(1).float())
+    assert largest(torch.randn(16, 64, 128).abs(), GPU).shape == (1024,)  # (a batch of sequences' rows)
     transposed = torch.randn(64, 4 * PART_SIZE).t().abs()  # (4,096 rows as indexed, 64 in memory)
-    assert largest(transposed).equal(transposed.amax(0))
+    assert largest(transposed, GPU).equal(transposed.amax(0))
     channels_last = torch.randn(8, 16, 8, 8).abs().contiguous(memory_format=torch.channels_last)
-    assert largest(channels_last).equal(channels_last.amax(1).flatten())  # (a row per pixel, its channels)
+    assert largest(channels_last, GPU).equal(channels_last.amax(1).flatten())  # (a row per pixel, its channels)
     # (rows of ROW_SIZE elements are reduced one by one; one element shorter, the value is split in parts)
-    assert largest(torch.randn(64, 8, measure.ROW_SIZE).abs()).shape == (512,)
-    assert largest(torch.randn(64, 8, measure.ROW_SIZE - 1).abs()).shape == (4,)
-    many = torch.randn(2 * ACCELERATOR_FORM.rows, 64).abs()  # (more rows than the form takes: parts)
-    assert largest(many).shape == (128,) and whole(largest(many), "max").equal(many.amax())
+    assert largest(torch.randn(64, 8, ROW_SIZE).abs(), GPU).shape == (512,)
+    assert largest(torch.randn(64, 8, ROW_SIZE - 1).abs(), GPU).shape == (4,)
+    many = torch.randn(2 * GPU.rows, 64).abs()  # (more rows than the form takes: parts)
+    assert largest(many, GPU).shape == (128,) and whole(largest(many, GPU), "max").equal(many.amax())
 
 
 class _Attention(nn.Module):
     """Q, K and V projections split into heads, each copied for the next GEMM (as T5's): a GPU's
-    checks of the projections read the copies (``autoscale/passes/lay_out_partials.py``)."""
+    checks of the projections read the copies (``autoscale/passes/joint/lay_out_partials.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,9 +83,8 @@ class _Attention(nn.Module):
         return self.out(mixed.transpose(1, 2).reshape(8, 16, 64)).mean(1)[:, :10]
 
 
-def _trained(form: measure.Form, monkeypatch: pytest.MonkeyPatch, config: autoscale.Config, model_name: str = "mlp"
+def _trained(config: autoscale.Config, model_name: str = "mlp"
              ) -> tuple[list[torch.Tensor], torch.Tensor, list[autoscale.LayerReport]]:
-    monkeypatch.setitem(FORMS, "cpu", form)
     torch._dynamo.reset()
     torch.manual_seed(0)
     # (8,192-element weights and 4,096-element activations: 64 rows each, a partial result a row;
@@ -126,17 +120,18 @@ _EVERY_2, _PAPER = autoscale.ScalingConfig(measure_every=2), autoscale.ScalingCo
     pytest.param(autoscale.Config(scaling=_EVERY_2), marks=pytest.mark.slow),
     pytest.param(autoscale.Config(scaling=_PAPER), marks=pytest.mark.slow),
 ], ids=["inductor", "eager", "measure_every-eager", "paper-eager", "measure_every", "paper"])
-def test_a_gpus_form_trains_bit_for_bit_as_the_cpus(monkeypatch: pytest.MonkeyPatch, config: autoscale.Config) -> None:
-    """Compiled here in the GPU's form (outputs written by their producers' kernels, reductions
-    handed to the fold as partial results), a model trains to the same parameters, statistics and
-    layer reports as in the CPU's, bit for bit: max and integer counts are exact in any order.
-    Steps that measure nothing (``measure_every``) and the paper's rule (its moments) under the
-    eager executor in the default suite, under Inductor too in the slow one."""
-    cpu = _trained(FORMS["cpu"], monkeypatch, config)
-    gpu = _trained(ACCELERATOR_FORM, monkeypatch, config)
+def test_a_gpus_form_trains_bit_for_bit_as_the_default(config: autoscale.Config) -> None:
+    """Compiled here in the form laid out for a GPU (``form="fewer_launches"``: outputs written by
+    their producers' kernels, reductions handed to the fold as partial results), a model trains to
+    the same parameters, statistics and layer reports as in the default form, bit for bit: max and
+    integer counts are exact in any order. Steps that measure nothing (``measure_every``) and the
+    paper's rule (its moments) under the eager executor in the default suite, under Inductor too in
+    the slow one."""
+    cpu = _trained(config)
+    gpu = _trained(config.replace(form="fewer_launches"))
     assert all(a.equal(b) for a, b in zip(cpu[0], gpu[0], strict=True))
     assert cpu[1].equal(gpu[1]) and cpu[2] == gpu[2]
-    assert cpu[1][:, measure.STAT["amax"]].gt(0).sum() >= 2  # (the layers measured something)
+    assert cpu[1][:, STAT["amax"]].gt(0).sum() >= 2  # (the layers measured something)
 
 
 @pytest.mark.parametrize(("model_name", "executor"), [
@@ -144,19 +139,19 @@ def test_a_gpus_form_trains_bit_for_bit_as_the_cpus(monkeypatch: pytest.MonkeyPa
     ("attention", "eager"),
     pytest.param("attention", "inductor", marks=pytest.mark.slow),
 ])
-def test_a_gpus_form_trains_a_cnn_and_attention_as_the_cpus(monkeypatch: pytest.MonkeyPatch, model_name: str,
-                                                            executor: Literal["inductor", "eager"]) -> None:
+def test_a_gpus_form_trains_a_cnn_and_attention_as_the_default(model_name: str,
+                                                               executor: Literal["inductor", "eager"]) -> None:
     """The same for a CNN whose values Inductor lays out channels-last (oneDNN's rule on a CPU), and
-    with them the GPU's form's partial results, and for an attention whose checks of its Q, K and V
-    read the copies the next GEMMs read (``autoscale/passes/lay_out_partials.py``): statistics and layer
+    with them that form's partial results, and for an attention whose checks of its Q, K and V
+    read the copies the next GEMMs read (``autoscale/passes/joint/lay_out_partials.py``): statistics and layer
     reports bit for bit. The parameters only as one graph run by two executors: Inductor fuses and
     orders some reductions otherwise in the two forms (the CNN's batch norms' backward: the last bits
     of four of its eight parameters, with the partials in either layout). The attention under
     Inductor in the slow suite, under the eager executor in the default one."""
     # (the attention's GEMMs native, as on a GPU: emulated, a rounding kernel writes their outputs)
     config = autoscale.Config(compute="native" if model_name == "attention" else "emulate", executor=executor)
-    cpu = _trained(FORMS["cpu"], monkeypatch, config, model_name)
-    gpu = _trained(ACCELERATOR_FORM, monkeypatch, config, model_name)
+    cpu = _trained(config, model_name)
+    gpu = _trained(config.replace(form="fewer_launches"), model_name)
     assert all(sqnr(a, b) >= SQNR_MIN_DB_SAME_GRAPH for a, b in zip(cpu[0], gpu[0], strict=True))
     assert cpu[1].equal(gpu[1]) and cpu[2] == gpu[2]
-    assert cpu[1][:, measure.STAT["amax"]].gt(0).sum() >= 3  # (the convolutions' or projections', the head's)
+    assert cpu[1][:, STAT["amax"]].gt(0).sum() >= 3  # (the convolutions' or projections', the head's)

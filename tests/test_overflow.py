@@ -1,4 +1,4 @@
-"""Forward overflow (DESIGN.md §3.1, docs/forward_overflow.md): predicted at compile time, found at run
+"""Forward overflow (docs/design.md#forward-overflow, docs/forward_overflow.md): predicted at compile time, found at run
 time by the forward's checks, repaired by promoting the node that overflowed, and what is non-finite
 in float32 too named instead of skipped forever.
 
@@ -27,13 +27,16 @@ from torch.fx import Interpreter, Node
 
 import autoscale
 from autoscale import Config, GradScaler, NonFiniteForwardError, OverflowConfig, ScalingConfig
-from autoscale.ops import FP16_MAX, watch
+from autoscale.ops import watch
 from autoscale.overflow import ForwardSites, Site, SiteKind, alarm, diagnose, outputs_nonfinite
 from autoscale.passes import PIPELINE, run_stage
-from autoscale.passes.analyze_underflow import clear_caches, forward_moments, seed_inputs
+from autoscale.passes.analysis.analyze_underflow import forward_moments
+from autoscale.passes.analysis.moments import clear_caches
+from autoscale.passes.analysis.seeding import seed_inputs
+from autoscale.passes.dynamo.insert_overflow_checks import SITES_KEY
 from autoscale.passes.graph_utils import PROVENANCE_KEY, op_name
-from autoscale.passes.insert_overflow_checks import SITES_KEY
 from autoscale.passes.op_tables import Category, category_of
+from autoscale.protocol import FP16_MAX
 from autoscale.report import format_summary, load_telemetry, summarize
 from autoscale.runtime import install_state
 from benchmarks.overflow_models import T5, LogOfZero, t5_batch
@@ -419,10 +422,10 @@ def test_a_value_non_finite_in_float32_too_is_named_and_stops_the_run(every: int
     step()
     # (a skipped step that watched nothing, as a step that measures nothing reads on CUDA when the
     # host learns of the last skip a step late, neither ends the run nor adds to it)
-    assert scaler._snapshot is not None
+    assert scaler._snapshot is not None and scaler._repair is not None
     snapshot = torch.zeros_like(scaler._snapshot)
-    scaler._read_snapshot(snapshot, 0.0, 1.0, step=3, watched=False)
-    assert scaler._streak == 2
+    scaler._repair.read(snapshot, 0.0, 1.0, step=3, watched=False)
+    assert scaler._repair.streak == 2
     where = r"\(log, float32 -> float16\): inf \[overflow_models\.py:\d+: h = torch\.log"
     with pytest.raises(NonFiniteForwardError, match=where + r".*promoting cannot help.*3 in a row"):
         step()

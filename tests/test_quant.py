@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import autoscale
 from autoscale import quant, schedules
-from autoscale.ops import E4M3_MAX, E5M2_MAX
+from autoscale.protocol import E4M3_MAX, E5M2_MAX
 from tests.helpers import step
 from tests.models import mlp_case
 

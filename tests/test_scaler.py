@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import autoscale
 from autoscale import GradScaler, ScalingConfig
-from autoscale.ops import NUM_STATS, SCALE_RANGE, STAT
 from autoscale.passes.graph_utils import cast_of
+from autoscale.protocol import NUM_STATS, SCALE_RANGE, STAT
 from autoscale.scaler import _OWN_TENSORS
 from autoscale.update import UpdateTensors, adaptive_update
 from benchmarks.host_reads import HostReads

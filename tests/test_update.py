@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoscale.measure import NUM_STATS, STAT
 from autoscale.mirror import HostMirror
+from autoscale.protocol import NUM_STATS, STAT
 from autoscale.update import CompiledUpdate, UpdateTensors, _boxed, adaptive_update, pow2floor
 
 ROWS, SITES = 6, 5

@@ -42,9 +42,9 @@ from autoscale.diff.model import (
 from autoscale.inspect import Island
 from autoscale.ops import rescale, watch
 from autoscale.overflow import OVERFLOW_REASON
-from autoscale.passes.analyze_underflow import MOMENTS_KEY
+from autoscale.passes.analysis.analyze_underflow import MOMENTS_KEY
+from autoscale.passes.dynamo.predict_overflow import FORWARD_KEY, PROMOTED_REASON
 from autoscale.passes.graph_utils import PROVENANCE_KEY, cast_of, dtype_name, layer_of, op_name, target_name, tensor_val
-from autoscale.passes.predict_overflow import FORWARD_KEY, PROMOTED_REASON
 from autoscale.report import LayerSummary
 
 __all__ = ["assemble"]

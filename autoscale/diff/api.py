@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from autoscale.config import Config
@@ -14,6 +12,7 @@ from autoscale.diff.align import assemble
 from autoscale.diff.capture import capture_graphs
 from autoscale.diff.model import GraphDiff
 from autoscale.report import load_telemetry, summarize
+from autoscale.rewrite import device_of
 
 __all__ = ["diff"]
 
@@ -38,14 +37,6 @@ def diff(model: nn.Module, example_inputs: tuple[Any, ...], *, config: Config | 
         raise ValueError("example_inputs must be a tuple of the model's positional arguments, "
                          f"got {type(example_inputs).__name__} (write (x,) for one input)")
     run = {layer.name: layer for layer in summarize(load_telemetry(telemetry)).layers} if telemetry else None
-    cfg = (config or Config()).resolved(_device_of(example_inputs))
+    cfg = (config or Config()).resolved(device_of(example_inputs))
     return assemble(capture_graphs(model, example_inputs, cfg, measure=measure), cfg, run)
 
-
-def _device_of(example_inputs: Sequence[Any]) -> torch.device:
-    """Where the inputs live (the first tensor's device, else the CPU): ``compute="auto"`` resolves
-    for that device, as the backend resolves it for the graph's."""
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            return x.device
-    return torch.device("cpu")

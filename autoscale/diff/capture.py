@@ -2,7 +2,7 @@
 
 :func:`capture_graphs` compiles a private deep copy of the model with a Dynamo backend that, for
 each graph it is handed, keeps a copy of the graph as captured, runs the pipeline exactly as
-``autoscale.backend`` does (seeding, calibration, ``run_stage``), and runs AOTAutograd on both
+the backend does (``autoscale.rewrite.rewrite_graph``), and runs AOTAutograd on both
 graphs (the joint-stage passes on the rewritten one) to get the backward graphs. Each pass is
 wrapped only to observe what it erased: a folded cast leaves no trace in the graph afterwards.
 The user's model is never touched, and the backend hands Dynamo the unrewritten graph to run.
@@ -21,22 +21,20 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from autoscale.backend import reach_state
 from autoscale.config import Config
-from autoscale.inspect import PrecisionReport, format_graph, precision_report
+from autoscale.inspect import PrecisionReport, format_graph
 from autoscale.layer_numbers import LayerNumbers, layer_parts, measure_layers, predict_layers
-from autoscale.ops import LAYOUT_SEP
 from autoscale.passes import PIPELINE, PassRecord, PassSpec, run_stage
-from autoscale.passes.analyze_underflow import calibrate, seed_inputs
+from autoscale.passes.dynamo.insert_grad_scaling import ScalePoint, insert_grad_scaling, scale_points
 from autoscale.passes.graph_utils import (
     PROVENANCE_KEY,
     attach_of,
     cast_of,
     copy_graph_module,
-    dtype_name,
     input_path,
 )
-from autoscale.passes.insert_grad_scaling import ScalePoint, insert_grad_scaling, scale_points
+from autoscale.protocol import LAYOUT_SEP
+from autoscale.rewrite import reach_state, rewrite_graph
 from autoscale.runtime import (
     _PEAKS,
     _SCALES,
@@ -206,12 +204,9 @@ class _Capture:
         if cfg.scaling.mode == "adaptive" and (reached := reach_state(gm, example_inputs)):
             gm, bound = reached  # (a graph after a graph break, scaled as the backend scales it)
             example_inputs = [*example_inputs, *bound]
-        seed_inputs(gm, example_inputs)
-        if cfg.scaling.calibrate:
-            calibrate(gm, example_inputs)
         dynamo = _Observer(inputs=example_inputs if self.measure else None)
-        records = run_stage(gm, cfg, "dynamo", dynamo.pipeline(PIPELINE))
-        report = precision_report(gm, dtype=dtype_name(cfg.dtype), compute=cfg.compute)
+        rewritten = rewrite_graph(gm, example_inputs, cfg, dynamo.pipeline(PIPELINE), attach=False)
+        records, report = rewritten.passes, rewritten.report
         joint = _Observer()
         joint_pipeline = joint.pipeline(PIPELINE)
 

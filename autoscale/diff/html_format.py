@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from autoscale.diff.model import GraphDiff, LayerRow, NodeEntry
 from autoscale.diff.notes import layer_cells, map_columns, scale_note, share_text, summary_details
-from autoscale.ops import FP16_MAX
+from autoscale.protocol import FP16_MAX
 
 if TYPE_CHECKING:
     from autoscale.layer_numbers import LayerNumbers

@@ -96,7 +96,7 @@ class NodeEntry:
     scale 1 (forward nodes). ``scale`` is set on forward rescale nodes; ``scale_op`` names the
     forward rescale node a backward node belongs to. Kind "check" is a forward-overflow check
     (``autoscale.ops.watch``) and kind "stats" a node of the fold of the rescale points'
-    statistics (``autoscale/passes/batch_records.py``): they compute nothing the model reads, so the
+    statistics (``autoscale/passes/joint/batch_records.py``): they compute nothing the model reads, so the
     renderings mute them.
     """
 
@@ -119,7 +119,7 @@ class NodeEntry:
 
 @dataclass(frozen=True)
 class OverflowDecision:
-    """A forward op kept in float32 because float16 cannot hold a value (DESIGN.md §3.1).
+    """A forward op kept in float32 because float16 cannot hold a value (docs/design.md#forward-overflow).
 
     These are the decisions that make a model with large activations (a T5 feed-forward) train at
     all, so the diff lists them apart from the other float32 islands. ``source``: "predicted" (the

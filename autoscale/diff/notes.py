@@ -12,8 +12,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from autoscale.ops import FP16_MAX
 from autoscale.overflow import OVERFLOW_REASON
+from autoscale.protocol import FP16_MAX
 
 if TYPE_CHECKING:
     from autoscale.diff.model import DiffSummary, GraphDiff, LayerRow, OverflowDecision, ScaleInfo

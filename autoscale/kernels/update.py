@@ -3,10 +3,9 @@
 Inductor compiles ``adaptive_update`` into seven kernels on a GPU (docs/results/kernel_counts.md):
 the update reads its state and then clears it (the statistics, the forward's peaks, the overflow
 flag found outside the graphs), and a write after a read of the same buffer, over another range
-than the reads', is a kernel of its own. On an H200, ``update()`` took 0.29-0.36 ms of a 3-5 ms
-launch-bound step, against torch.amp's 0.04 ms for its one ``_amp_update_scale_``, with the seven
-launches and the compiled graph's wrapper among its costliest host work
-(docs/results/step_profile_cuda.md).
+than the reads', is a kernel of its own. On a launch-bound GPU step, its seven launches and the
+compiled graph's wrapper made ``update()`` several times torch.amp's one ``_amp_update_scale_``
+(docs/results/overhead_cuda.md, step_profile_cuda.md).
 
 The update's tensors are small (one row per layer, one slot per forward check), so one program
 holds all of them: it reads everything, waits at a barrier for every thread to have read, and
@@ -29,9 +28,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from autoscale.measure import NUM_STATS, STAT
-from autoscale.ops import SCALE_RANGE
-from autoscale.runtime import LOSS_ROW
+from autoscale.protocol import LOSS_ROW, NUM_STATS, SCALE_RANGE, STAT
 from autoscale.update import UpdateTensors
 
 __all__ = ["MAX_ROWS", "MAX_SLOTS", "fused_update"]

@@ -1,28 +1,31 @@
 """autoscale's graph passes, one per module, and the pipeline that orders them.
 
-Installed as ``autoscale.passes``. Each pass is ``verb_noun(gm, cfg) -> PassResult`` and rewrites
-``gm`` in place; ``run_stage`` (the pass manager) runs them and checks the invariants listed in
-README.md beside this file.
+Each pass is ``verb_noun(gm, cfg) -> PassResult`` and rewrites ``gm`` in place; ``run_stage`` (the
+pass manager, ``manager.py``) runs them and checks the invariants listed in README.md beside this
+file. The folders are the layers: ``dynamo/`` (Dynamo's torch-level graph), ``joint/``
+(AOTAutograd's joint graph) and ``analysis/`` (the underflow analysis: its pass and its per-op
+rules); beside them the manager, the op tables, the graph helpers, and ``fold_casts``, which runs
+in both stages.
 """
 
 from __future__ import annotations
 
-from .analyze_underflow import analyze_underflow
-from .batch_records import batch_records
-from .batch_row_reads import batch_row_reads
-from .convert_precision import convert_precision
-from .emulate_compute import emulate_compute
-from .expand_points import expand_points
+from .analysis.analyze_underflow import analyze_underflow
+from .dynamo.convert_precision import convert_precision
+from .dynamo.emulate_compute import emulate_compute
+from .dynamo.insert_fake_quant import insert_fake_quant
+from .dynamo.insert_grad_scaling import insert_grad_scaling
+from .dynamo.insert_overflow_checks import insert_overflow_checks
+from .dynamo.predict_overflow import predict_overflow
+from .dynamo.remove_inplace import remove_inplace
+from .dynamo.rewrite_avg_pool import rewrite_avg_pool
 from .fold_casts import fold_casts
-from .insert_fake_quant import insert_fake_quant
-from .insert_grad_scaling import insert_grad_scaling
-from .insert_overflow_checks import insert_overflow_checks
-from .lay_out_partials import lay_out_partials
+from .joint.batch_records import batch_records
+from .joint.batch_row_reads import batch_row_reads
+from .joint.expand_points import expand_points
+from .joint.lay_out_partials import lay_out_partials
+from .joint.reduce_at_source import reduce_at_source
 from .manager import InvariantError, PassRecord, PassResult, PassSpec, Stage, check_order, run_stage
-from .predict_overflow import predict_overflow
-from .reduce_at_source import reduce_at_source
-from .remove_inplace import remove_inplace
-from .rewrite_avg_pool import rewrite_avg_pool
 
 __all__ = [
     "PIPELINE",

@@ -187,8 +187,9 @@ def tensor_val(node: Node) -> Any:
 def retyped(val: Any, dtype: torch.dtype) -> Any:
     """``val`` (a fake tensor, or a tuple of them) with its floating tensors in ``dtype``: the value
     of a dtype-preserving op once its inputs are cast. Passes record it for the nodes they create
-    or retype. A static-shape fake tensor is built directly (~10 µs) rather than by dispatching
-    ``.to`` through its fake mode (~130 µs): on a 10,000-node graph that is most of a pass's time.
+    or retype. A static-shape fake tensor is built directly rather than by dispatching ``.to`` through
+    its fake mode, an order of magnitude dearer, which on a 10,000-node graph would be most of a pass's
+    time.
     """
     if isinstance(val, tuple | list):
         return type(val)(retyped(v, dtype) for v in val)
@@ -375,8 +376,8 @@ def new_node(graph: Graph, op: str, target: Any, args: tuple[Any, ...], kwargs: 
     only nodes and plain constants (dtypes, ints, tuples of them), as the passes' own nodes do.
 
     Since torch 2.13, ``create_node`` walks every argument with pytree to warn about raw SymInts;
-    at ~40% of its cost, that walk was the largest single item of the passes on a 10,000-node
-    graph (docs/results/compile_time.md). The node is created bare and its arguments assigned
+    that walk is a large share of its cost, and the passes create thousands of nodes
+    (docs/results/compile_time.md). The node is created bare and its arguments assigned
     through ``Node.args``/``Node.kwargs``, which keep the use lists exactly as ``create_node``
     would. Arguments copied from the user's graph keep going through ``create_node``.
     """

@@ -119,8 +119,8 @@ def run_stage(gm: GraphModule, cfg: Config, stage: Stage, pipeline: Sequence[Pas
 @contextlib.contextmanager
 def _cyclic_gc_paused() -> Iterator[None]:
     """The passes allocate many small objects, and each of Python's full collections walks the
-    whole heap, which grows with the graph: with collection on, a 10,000-node graph took 30%
-    longer per node than a 1,000-node one. Reference counting still frees everything acyclic; the
+    whole heap, which grows with the graph: with collection on, the cost per node grows with the
+    graph. Reference counting still frees everything acyclic; the
     cycles (erased FX nodes) are collected once collection resumes."""
     was_enabled = gc.isenabled()
     gc.disable()

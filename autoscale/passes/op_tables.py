@@ -17,6 +17,9 @@ fixed   explicit dtype conversions written in the model, and tensor creation (``
 meta    ops that read only sizes and strides: never cast.
 
 An op in none of these is *unknown*: it stays float32 and is reported, never a crash.
+
+Beside the categories, the op sets the other passes and the underflow analysis key their
+decisions on (``PASS_THROUGH``, ``FOLDABLE``, ``TRUE_DIVISIONS``, ...), each said where it is defined.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
-    "ALLOW", "BOUNDED", "CLEAR", "CREATION", "DENY", "FIXED", "INFER", "META", "NORMALIZATIONS", "REARRANGING",
-    "REORDERING", "SPARSE_GRADIENT", "UNARY_ELEMENTWISE", "VIEWS", "Category", "category_of", "deny_reason",
+    "ALIASES", "ALLOW", "AVERAGE_POOLS", "BOUNDED", "CLAMP_BOUNDS", "CLEAR", "CREATION", "DENY", "EXTERN_GEMMS",
+    "FIXED", "FOLDABLE", "INFER", "LAST_DIM_PRODUCTS", "META", "NORMALIZATIONS", "NORM_ARGUMENTS", "PASS_THROUGH",
+    "POSITIVE_POWERS", "REARRANGING", "REORDERING", "REPEATING", "SLICING", "SPARSE_GRADIENT", "TRUE_DIVISIONS",
+    "UNARY_ELEMENTWISE", "VIEWS", "Category", "category_of", "deny_reason",
 ]
 
 
@@ -175,6 +180,72 @@ CREATION: Final = frozenset({
 SPARSE_GRADIENT: Final[Mapping[str, tuple[str, int]]] = MappingProxyType({
     "embedding": ("sparse", 6), "embedding_bag": ("sparse", 7),
 })
+
+# ----------------------------------------------------------- the underflow analysis (passes/analysis/)
+
+# Ops whose output has its (first) input's moments, and passes its gradient straight back (but for
+# SLICING and REPEATING): layout ops, copies, casts, dropout, rescale points.
+PASS_THROUGH: Final = frozenset({
+    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "clone", "expand",
+    "squeeze", "unsqueeze", "unbind", "split", "chunk", "getitem", "dropout", "detach",
+    "rescale", "to", "float", "half", "bfloat16", "type_as", "repeat", "roll",
+    "narrow", "select", "slice", "alias", "view_as",
+})
+
+# Layout ops that take a part out of their input: its gradient is theirs on that part, zeros elsewhere.
+SLICING: Final = frozenset({"getitem", "select", "narrow", "slice"})
+
+# Layout ops that copy their input (a broadcast, a repeat): its gradient sums its copies'.
+REPEATING: Final = frozenset({"expand", "expand_as", "repeat"})
+
+# Pure functions of their arguments (nothing random, nothing in place): where every input is known
+# at compile time (masks, positions, rotary tables), the analysis computes the value then.
+FOLDABLE: Final = frozenset({
+    "arange", "tensor", "scalar_tensor", "full", "zeros", "ones", "full_like", "zeros_like", "ones_like",
+    "new_full", "new_zeros", "new_ones", "new_tensor", "tril", "triu", "eq", "ne", "lt", "le", "gt", "ge",
+    "logical_and", "logical_or", "logical_not", "logical_xor", "and_", "or_", "xor", "invert", "bitwise_not",
+    "bitwise_and", "bitwise_or", "where", "masked_fill", "add", "sub", "rsub", "mul", "div", "truediv",
+    "floordiv", "floor_divide", "remainder", "mod", "neg", "abs", "log", "exp", "sqrt", "pow", "min", "max",
+    "minimum", "maximum", "clamp", "clamp_min", "clamp_max", "to", "float", "long", "int", "bool", "double",
+    "half", "type_as", "view", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "getitem", "permute",
+    "transpose", "t", "contiguous", "clone", "flatten", "cat", "concat", "stack", "sum", "cumsum", "cos", "sin",
+    "floor", "ceil", "round", "sign", "any", "all", "repeat", "view_as", "narrow", "select", "detach", "outer",
+    "diff", "alias", "log2", "reciprocal", "rsqrt", "unbind", "split", "chunk",
+})
+
+# Powers of a positive, concentrated input (a norm's mean square plus eps): op -> exponent.
+POSITIVE_POWERS: Final[Mapping[str, float]] = MappingProxyType({"rsqrt": -0.5, "sqrt": 0.5, "reciprocal": -1.0})
+
+# Where a normalization takes its affine weight, bias and eps: op -> argument indices (rms_norm has no
+# bias: its index 5 is None).
+NORM_ARGUMENTS: Final[Mapping[str, tuple[int, int, int]]] = MappingProxyType({
+    "layer_norm": (2, 3, 4), "group_norm": (2, 3, 4), "batch_norm": (3, 4, 7), "rms_norm": (2, 5, 3),
+})
+
+_Bound = tuple[int, str, float | None]  # (argument index, keyword, default) of a bound
+# Ops that clamp their input, with where their bounds are: op -> (lower bound, upper bound).
+CLAMP_BOUNDS: Final[Mapping[str, tuple[_Bound, _Bound]]] = MappingProxyType({
+    "hardtanh": ((1, "min_val", -1.0), (2, "max_val", 1.0)),  # (what nn.ReLU6 traces to: hardtanh(x, 0, 6))
+    "clamp": ((1, "min", None), (2, "max", None)), "clip": ((1, "min", None), (2, "max", None)),
+    "clamp_min": ((1, "min", None), (9, "", None)), "clamp_max": ((9, "", None), (1, "max", None)),
+})
+
+# ------------------------------------------------------------------------------- the other passes
+
+# True divisions (not floor or rounding ones): by a number of magnitude >= 1, never larger than their input.
+TRUE_DIVISIONS: Final = frozenset({"div", "truediv", "true_divide"})
+
+# Products whose first operand's last dimension is the one contracted (softmax(s) @ v: attention written out).
+LAST_DIM_PRODUCTS: Final = frozenset({"matmul", "bmm"})
+
+# Average pools: op -> how many trailing dimensions it pools.
+AVERAGE_POOLS: Final[Mapping[str, int]] = MappingProxyType({"avg_pool1d": 1, "avg_pool2d": 2, "avg_pool3d": 3})
+
+# ATen GEMMs Inductor leaves to extern kernels: cuBLAS, not a kernel of Inductor's, writes their outputs.
+EXTERN_GEMMS: Final = frozenset({"mm", "bmm", "addmm", "baddbmm"})
+
+# ATen ops whose output is their input itself, aliased.
+ALIASES: Final = frozenset({"alias", "detach"})
 
 _BUILTIN: Final[Mapping[str, Category]] = MappingProxyType({
     **{op: Category.CLEAR for op in CLEAR},

@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks import machine_line, notes_of
+from benchmarks import machine_line, notes_of, with_run_line
 
 from . import report
 from .methods import METHODS
@@ -75,9 +75,10 @@ def main() -> None:
     out_md = args.out / "numerics.md"
     machine = machine_line()
     args.out.mkdir(parents=True, exist_ok=True)
-    text = report.markdown(summary, seeds=seeds, quick=args.quick, machine=machine, minutes=minutes,
-                           notes=notes_of(out_md))
-    out_md.write_text(text)
+    notes = notes_of(out_md)
+    text = with_run_line(report.markdown(summary, seeds=seeds, quick=args.quick, machine=machine, minutes=minutes,
+                                         notes=""))
+    out_md.write_text(text + ("\n" + notes if notes else ""))
     written = report.plot(summary, runs, args.out / "numerics")
     print(f"wrote {os.path.relpath(out_md)} and {', '.join(os.path.relpath(p) for p in written)}")
     print(report.final_line(summary))

@@ -2,7 +2,7 @@
 
 Measured along the way:
 
-* **underflow per layer** (DESIGN.md §8), at ``MEASUREMENTS`` evenly spaced steps: an float32
+* **underflow per layer** (docs/design.md#measures), at ``MEASUREMENTS`` evenly spaced steps: an float32
   eager *shadow* of the model gets the same weights and the same batch; for every weight matrix
   (every parameter of two or more dimensions), the fraction of the entries whose float32 gradient
   is non-zero that the method's gradient has at exactly zero. The method's gradients are taken

@@ -10,8 +10,19 @@ import torch
 import torch.nn as nn
 
 import benchmarks.kernel_counts as kernel_counts
-from autoscale import measure
-from benchmarks.kernel_counts import A_CPU_FORM, A_GPU, GRAPHS, METHODS, B, Counts, count, count_step, launches, report
+from benchmarks.kernel_counts import (
+    A_DEFAULT,
+    A_FEWER,
+    A_IN_PARTS,
+    GRAPHS,
+    METHODS,
+    B,
+    Counts,
+    count,
+    count_step,
+    launches,
+    report,
+)
 from benchmarks.overflow_models import _Attention
 
 
@@ -25,17 +36,17 @@ def test_launches_are_read_from_a_graphs_call() -> None:
     assert (counts.triton, counts.extern, counts.tensors) == (2, 1, 3)
 
 
-def test_each_method_compiles_its_graphs_and_the_gpus_form_launches_fewer_kernels() -> None:
+def test_each_method_compiles_its_graphs_and_the_fewer_launches_form_launches_fewer_kernels() -> None:
     results = count("MLP", "quick")
     assert tuple(results) == METHODS
-    assert set(results[A_GPU]) == set(GRAPHS) and set(results[B]) == {"forward", "backward"}
+    assert set(results[A_FEWER]) == set(GRAPHS) and set(results[B]) == {"forward", "backward"}
     # the quick MLP's five linear layers: five GEMMs forward, nine backward (no input gradient first)
     assert all((r["forward"].extern, r["backward"].extern) == (5, 9) for r in results.values())
 
     def launched(label: str) -> int:
         return sum(results[label][g].triton for g in ("forward", "backward"))
 
-    assert launched(B) < launched(A_GPU) < launched(A_CPU_FORM)
+    assert launched(B) < launched(A_FEWER) < launched(A_DEFAULT)
     assert all(r["backward"].tensors > 0 for r in results.values())
     assert "| MLP | (b)" in report({"MLP": results}, size="quick")
 
@@ -60,12 +71,12 @@ def test_a_cnn_is_laid_out_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_wide_cnns_partial_results_are_read_in_its_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU lays the wide CNN out channels-last. Its points' and checks' partial results read so
-    (``autoscale/passes/lay_out_partials.py``) join the kernels that write their values: fewer launches than
+    (``autoscale/passes/joint/lay_out_partials.py``) join the kernels that write their values: fewer launches than
     read in the traced NCHW order, as before the pass."""
-    laid_out = count("wide CNN", "quick", (A_GPU,))[A_GPU]
-    lay_out = importlib.import_module("autoscale.passes.lay_out_partials")
+    laid_out = count("wide CNN", "quick", (A_FEWER,))[A_FEWER]
+    lay_out = importlib.import_module("autoscale.passes.joint.lay_out_partials")
     monkeypatch.setattr(lay_out, "_inductor_lays_out_channels_last", lambda gm: False)
-    traced_order = count("wide CNN", "quick", (A_GPU,))[A_GPU]
+    traced_order = count("wide CNN", "quick", (A_FEWER,))[A_FEWER]
     for graph in ("forward", "backward"):
         assert laid_out[graph].triton < traced_order[graph].triton, graph
 
@@ -87,7 +98,7 @@ class _T5Attention(nn.Module):
 def _counted_with_and_without_copies(monkeypatch: pytest.MonkeyPatch, counted: Callable[[], dict[str, Counts]]
                                      ) -> tuple[dict[str, Counts], dict[str, Counts]]:
     from_copies = counted()
-    lay_out = importlib.import_module("autoscale.passes.lay_out_partials")
+    lay_out = importlib.import_module("autoscale.passes.joint.lay_out_partials")
     monkeypatch.setattr(lay_out, "_copy_read_after_its_gemm", lambda node: None)
     return from_copies, counted()
 
@@ -104,21 +115,20 @@ def test_a_t5s_checks_of_its_projections_join_the_kernels_that_copy_them(monkeyp
     default suite; on T5 1+1 (a minute on 2 cores) in the slow one."""
     def counted() -> dict[str, Counts]:
         if model == "T5 1+1":
-            return count("T5 1+1", "quick", (A_GPU,))[A_GPU]
+            return count("T5 1+1", "quick", (A_FEWER,))[A_FEWER]
         torch.manual_seed(0)
-        return count_step(_T5Attention(), torch.randn(4, 8, 64), torch.randint(0, 10, (4,)), (A_GPU,))[A_GPU]
+        return count_step(_T5Attention(), torch.randn(4, 8, 64), torch.randint(0, 10, (4,)), (A_FEWER,))[A_FEWER]
 
     from_copies, from_outputs = _counted_with_and_without_copies(monkeypatch, counted)
     assert from_copies["forward"].triton < from_outputs["forward"].triton
     assert from_copies["backward"].triton == from_outputs["backward"].triton
 
 
-def test_partial_results_by_rows_join_the_kernels_that_read_a_value_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A transformer block's values reduced row by row (``autoscale.measure.Form.rows``) are read
+def test_partial_results_by_rows_join_the_kernels_that_read_a_value_by_rows() -> None:
+    """A transformer block's values reduced row by row (``autoscale.protocol.Form.rows``) are read
     at the indices its norms, its softmax and its points' scaled writes read them, whose kernels
     Inductor then computes them in: fewer launches, forward and backward, than split into flat parts."""
-    by_rows = count("transformer block", "quick", (A_GPU,))[A_GPU]
-    monkeypatch.setattr(measure, "ACCELERATOR_FORM", measure.ACCELERATOR_FORM._replace(rows=0))
-    in_parts = count("transformer block", "quick", (A_GPU,))[A_GPU]
+    by_rows = count("transformer block", "quick", (A_FEWER,))[A_FEWER]
+    in_parts = count("transformer block", "quick", (A_IN_PARTS,))[A_IN_PARTS]
     for graph in ("forward", "backward"):
         assert by_rows[graph].triton < in_parts[graph].triton, graph

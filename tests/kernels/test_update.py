@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from triton.runtime.jit import JITFunction
 
+import autoscale
 from autoscale.kernels import update as kernels_update
 from autoscale.kernels.update import MAX_ROWS, fused_update
-from autoscale.measure import ACCELERATOR_FORM, FORMS, NUM_STATS, STAT
+from autoscale.protocol import NUM_STATS, STAT
 from autoscale.update import CompiledUpdate, UpdateTensors, adaptive_update
 from tests.test_update import CONSTANTS
 
@@ -117,14 +118,15 @@ def _state(rows: int) -> tuple[UpdateTensors, None]:
                          torch.zeros(3, dtype=torch.bool), torch.zeros(5)), None
 
 
-@pytest.mark.parametrize("form", ["accelerator", "cpu"])
-def test_compiled_update_runs_the_fused_kernel_where_the_form_asks(form: str, monkeypatch: pytest.MonkeyPatch
-                                                                   ) -> None:
-    """In the GPU's form the update is the one launch; in the CPU's, Inductor's code. A state beyond
-    the kernel takes Inductor's code in either."""
-    device = DEVICE if form == "accelerator" else "cpu"
-    if form == "accelerator" and device == "cpu":
-        monkeypatch.setitem(FORMS, "cpu", ACCELERATOR_FORM)
+@pytest.mark.parametrize("fewer_launches", [True, False])
+def test_compiled_update_runs_the_fused_kernel_where_the_form_asks(fewer_launches: bool) -> None:
+    """In the form laid out for a GPU's launch count (``Config(form="fewer_launches")``) the scaler's
+    update is the one launch; in the default form, Inductor's code. A state beyond the kernel takes
+    Inductor's code in either."""
+    model = torch.nn.Linear(4, 4)
+    config = autoscale.Config(form="fewer_launches" if fewer_launches else "default")
+    scaler = autoscale.GradScaler(model, config)
+    assert (scaler._update_scales._fused is not None) == fewer_launches
     built: list[bool] = []
 
     def fused(tensors: tuple[torch.Tensor | None, ...], **constants: float) -> object:
@@ -133,13 +135,13 @@ def test_compiled_update_runs_the_fused_kernel_where_the_form_asks(form: str, mo
         return launch
 
     for rows in (8, MAX_ROWS + 1):
-        state = UpdateTensors(*(t.to(device) for t in _state(rows)[0]))
+        state = UpdateTensors(*(t.to(DEVICE) for t in _state(rows)[0]))
         state.stats[1:, STAT["amax"]] = 3.0
-        eager = _copy(state, None, device)
+        eager = _copy(state, None, DEVICE)
         adaptive_update(*eager, due=True, **CONSTANTS)
-        update = CompiledUpdate(adaptive_update, fused=fused)
+        update = CompiledUpdate(adaptive_update, fused=fused if fewer_launches else None)
         ran = update((*state, None), variant=True, compile=True, due=True, **CONSTANTS)
         assert ran is not None and not update._failed
-        assert ran.__qualname__.startswith("fused_update" if form == "accelerator" and rows == 8 else "_boxed"), rows
+        assert ran.__qualname__.startswith("fused_update" if fewer_launches and rows == 8 else "_boxed"), rows
         _assert_same((*state, None), eager)
-    assert built == ([True, False] if form == "accelerator" else [])
+    assert built == ([True, False] if fewer_launches else [])

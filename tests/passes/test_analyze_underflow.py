@@ -14,17 +14,10 @@ import torch.nn.functional as F
 
 import autoscale
 from autoscale.passes import PassSpec, analyze_underflow, remove_inplace, run_stage
-from autoscale.passes.analyze_underflow import (
-    MOMENTS_KEY,
-    UPDATE_SIZE,
-    Moments,
-    calibrate,
-    forward_moments,
-    loss_outputs,
-    predicted_underflow,
-    reference_step,
-    seed_inputs,
-)
+from autoscale.passes.analysis.analyze_underflow import MOMENTS_KEY, UPDATE_SIZE, forward_moments
+from autoscale.passes.analysis.losses import loss_outputs
+from autoscale.passes.analysis.moments import Moments, predicted_underflow
+from autoscale.passes.analysis.seeding import calibrate, reference_step, seed_inputs
 from autoscale.passes.graph_utils import op_name
 from tests.helpers import capture
 from tests.models import conv_case, mlp_case, mobilenet_case, transformer_case

@@ -19,11 +19,13 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoscale
-from autoscale.measure import ARRIVED, BAD, MADE, MAX, NUM_STATS, PEAK, STAT, SUM, Measured, fold, record, set_scale
+from autoscale.measure import Measured, fold
+from autoscale.ops import record, set_scale
 from autoscale.passes import PassSpec, batch_records, run_stage
+from autoscale.protocol import ARRIVED, BAD, MADE, MAX, NUM_STATS, PEAK, STAT, SUM
 from tests.helpers import step_through_pipeline
 
-batch_records_module = importlib.import_module("autoscale.passes.batch_records")
+batch_records_module = importlib.import_module("autoscale.passes.joint.batch_records")
 RECORD = torch.ops.autoscale.record.default
 ROWS = 5
 
@@ -64,7 +66,7 @@ def _set(scales: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
 
 def _split(recorded: list[list[Recorded]], parts: list[int]) -> list[list[Recorded]]:
     """``recorded`` with the values handed as ``parts[j]`` partial results each (as a GPU's points
-    hand them: ``autoscale.measure.Form.parts``), whose whole is the value: maxima of which it is
+    hand them: ``autoscale.protocol.Form.parts``), whose whole is the value: maxima of which it is
     the largest, or counts that sum to it."""
     k = iter(parts)
 

@@ -13,8 +13,10 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoscale
-from autoscale.measure import LOSS_ROW, point_backward, set_scale
+from autoscale.measure import point_backward
+from autoscale.ops import set_scale
 from autoscale.passes import PassSpec, batch_row_reads, run_stage
+from autoscale.protocol import FORMS, LOSS_ROW
 from tests.helpers import step_through_pipeline
 
 ROWS = 6
@@ -73,7 +75,7 @@ def test_a_point_traced_outside_dynamo_reads_its_sets_for_the_pass() -> None:
     nor ``batch_records`` recognized, and every point's measurements ran as ops of their own."""
     def backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
         return point_backward(grad, scales, stats, out_rows=(2,), in_rows=(1, 3), record_rows=(2,), unscale=False,
-                              moments=False)
+                              moments=False, form=FORMS["default"])
 
     gm = make_fx(backward, tracing_mode="fake")(torch.ones(8), torch.ones(ROWS), torch.zeros(ROWS, 7))
     assert [n.args[1] for n in gm.graph.find_nodes(op="call_function", target=set_scale)] == [[2], [1, 3]]

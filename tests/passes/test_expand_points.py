@@ -15,9 +15,10 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoscale
-from autoscale.measure import NUM_STATS, measured_point
+from autoscale.measure import measured_point
 from autoscale.ops import point, trace_decompositions
 from autoscale.passes import PIPELINE, PassSpec, expand_points
+from autoscale.protocol import FORMS, NUM_STATS
 from tests.models import mlp_case
 
 ROWS = 9
@@ -99,7 +100,7 @@ def test_a_point_written_out_from_another_points_ops_is_the_point_traced_for_its
     with FakeTensorMode():
         vals = [torch.empty(shape, dtype=dtype), torch.empty(2 * ROWS), torch.empty(2 * ROWS, NUM_STATS)]
     others = {r: 2 * r + 1 for r in range(1, ROWS)} | {0: 0}  # (rows of the same order, the loss row kept)
-    flags = (unscale, moments, False, blame, "none")
+    flags = (unscale, moments, False, blame, "default", "none")
     second = (list(out_rows), list(in_rows), list(record_rows), *flags)
     first = tuple(list(map(others.__getitem__, r)) for r in (out_rows, in_rows, record_rows)) + flags
     gm = _graph_with_two_points(vals, first, second)
@@ -111,7 +112,8 @@ def test_a_point_written_out_from_another_points_ops_is_the_point_traced_for_its
     names = {n: n.name for n in gm.graph.find_nodes(op="placeholder")} | {r: "stats" for r in first_record}
 
     def backward(g: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> Any:
-        return measured_point(g, s, t, out_rows, in_rows, record_rows, unscale, moments, blame=blame)
+        return measured_point(g, s, t, out_rows, in_rows, record_rows, unscale, moments, blame=blame,
+                              form=FORMS["default"])
 
     with torch.no_grad():
         traced = make_fx(backward, tracing_mode="fake")(*vals)
@@ -145,7 +147,7 @@ def test_a_point_whose_ops_would_lay_its_gradient_out_otherwise_is_left_as_the_o
     would write another layout is left as the op, which then computes what the point computes."""
     with FakeTensorMode():
         vals = [torch.empty(4, 6), torch.empty(2 * ROWS), torch.empty(2 * ROWS, NUM_STATS)]
-    rows = ([2], [1], [2], False, False, False, True, "none")
+    rows = ([2], [1], [2], False, False, False, True, "default", "none")
     gm = _graph_with_two_points(vals, rows, rows)
     first = next(iter(gm.graph.find_nodes(op="call_function", target=point)))
     with vals[0].fake_mode:
@@ -156,7 +158,7 @@ def test_a_point_whose_ops_would_lay_its_gradient_out_otherwise_is_left_as_the_o
     gm.recompile()
     grad, scales, stats = torch.randn(4, 6), torch.full((2 * ROWS,), 4.0), torch.zeros(2 * ROWS, NUM_STATS)
     out, _, recorded = gm(grad, scales, stats)
-    expected, once = measured_point(grad, scales, stats, *rows[:3], False, False, blame=True)
+    expected, once = measured_point(grad, scales, stats, *rows[:3], False, False, blame=True, form=FORMS["default"])
     assert once is not None
-    again, twice = measured_point(grad, scales, once, *rows[:3], False, False, blame=True)
+    again, twice = measured_point(grad, scales, once, *rows[:3], False, False, blame=True, form=FORMS["default"])
     assert out.equal(expected) and twice is not None and recorded.equal(twice)

@@ -1,8 +1,8 @@
 """lay_out_partials: a GPU's partial results of a value are read in the order Inductor lays the value
 out, channels-last where its heuristics lay the graph's convolutions out so, with the same maximum.
 
-Traced graphs of a convolution whose output a check reduces in the GPU's form; the launches this
-saves are counted in tests/benchmarks/test_kernel_counts.py.
+Traced graphs of a convolution whose output a check reduces in the form laid out for a GPU
+(``fewer_launches``); the launches this saves are counted in tests/benchmarks/test_kernel_counts.py.
 """
 
 from __future__ import annotations
@@ -15,19 +15,21 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoscale
-from autoscale.measure import ACCELERATOR_FORM, FORMS, largest, partials, whole
+from autoscale.measure import largest, whole
+from autoscale.ops import partials
 from autoscale.passes import PassSpec, lay_out_partials, run_stage
+from autoscale.protocol import FORMS
 
 CLONE = torch.ops.aten.clone.default
+GPU = FORMS["fewer_launches"]
 
 
-def _traced(channels: int, monkeypatch: pytest.MonkeyPatch) -> tuple[GraphModule, tuple[torch.Tensor, ...]]:
-    """A convolution and the partial maxima of its output's magnitudes, traced in the GPU's form."""
-    monkeypatch.setitem(FORMS, "cpu", ACCELERATOR_FORM)
+def _traced(channels: int) -> tuple[GraphModule, tuple[torch.Tensor, ...]]:
+    """A convolution and the partial maxima of its output's magnitudes, traced in that form."""
     inputs = torch.randn(4, 8, 16, 16), torch.randn(channels, 8, 3, 3)
 
     def check(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return largest(F.conv2d(x, w, padding=1).abs())
+        return largest(F.conv2d(x, w, padding=1).abs(), GPU)
 
     gm = make_fx(check, tracing_mode="fake")(*inputs)
     assert len(gm.graph.find_nodes(op="call_function", target=partials)) == 1
@@ -45,9 +47,8 @@ def _lay_out(gm: GraphModule, config: autoscale.Config) -> dict[str, int]:
     (32, True, "inductor", True),  # a CPU's rule with oneDNN: every convolution channels-last
     (128, False, "eager", False),  # no Inductor: the traced layout
 ])
-def test_partials_follow_inductors_layout(channels: int, onednn: bool, executor: str, across: bool,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    gm, inputs = _traced(channels, monkeypatch)
+def test_partials_follow_inductors_layout(channels: int, onednn: bool, executor: str, across: bool) -> None:
+    gm, inputs = _traced(channels)
     with torch.backends.mkldnn.flags(enabled=onednn):
         counts = _lay_out(gm, autoscale.Config(executor=executor, verify=True))  # type: ignore[arg-type]
     assert counts == {"partials": 1, "channels_last": int(across), "copies": 0}
@@ -57,7 +58,7 @@ def test_partials_follow_inductors_layout(channels: int, onednn: bool, executor:
     # (the same maximum, from other parts)
     out = gm(*inputs)
     conv = F.conv2d(*inputs, padding=1).abs()
-    assert 1 < len(out) <= ACCELERATOR_FORM.parts and whole(out, "max").equal(conv.max())
+    assert 1 < len(out) <= GPU.parts and whole(out, "max").equal(conv.max())
     expected = conv.permute(0, 2, 3, 1) if across else conv
     assert out.equal(expected.reshape(len(out), -1).amax(1))
 
@@ -76,17 +77,15 @@ def test_partials_op_takes_the_elements_in_memory_order() -> None:
     ((0, 2, 1, 3), 1),  # heads split off a GEMM's output, copied for the next GEMM: read from the copy
     ((0, 1, 2, 3), 0),  # no copy (the GEMM reads a view): the value itself
 ])
-def test_a_gemms_output_is_read_from_the_copy_inductor_writes(permutation: tuple[int, ...], copies: int,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_gemms_output_is_read_from_the_copy_inductor_writes(permutation: tuple[int, ...], copies: int) -> None:
     """Checked, a GEMM's output whose next GEMM reads a copy of it is read from that copy, after that
     GEMM (so that Inductor has written the copy), with the same maximum: the copy holds every
     element once."""
-    monkeypatch.setitem(FORMS, "cpu", ACCELERATOR_FORM)
     inputs = torch.randn(128, 64), torch.randn(64, 64)
 
     def attention_scores(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = (x @ w).view(8, 16, 4, 16)
-        peak = largest(q.abs())  # (traced before the next GEMM, as a check is)
+        peak = largest(q.abs(), GPU)  # (traced before the next GEMM, as a check is)
         heads = q.permute(*permutation)
         if copies:
             heads = heads.contiguous()

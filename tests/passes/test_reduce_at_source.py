@@ -20,9 +20,12 @@ from autoscale.measure import largest
 from autoscale.passes import PIPELINE, PassSpec, reduce_at_source, run_stage
 from autoscale.passes.graph_utils import cast_of, op_name
 from autoscale.passes.op_tables import REARRANGING, UNARY_ELEMENTWISE
+from autoscale.protocol import FORMS
 from tests.models import transformer_case
 
 AMAX = torch.ops.aten.amax.default
+
+DEFAULT = FORMS["default"]
 
 
 def _reduce(gm: GraphModule) -> dict[str, int]:
@@ -84,7 +87,7 @@ def test_a_peak_handed_to_the_fold_is_read_from_its_source_too(shape: list[int],
     s = torch.tensor(2.0**exponent)
 
     def point(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return largest(torch.stack([a, b]).permute(*order).float().abs() * s.reciprocal())
+        return largest(torch.stack([a, b]).permute(*order).float().abs() * s.reciprocal(), DEFAULT)
 
     gm = make_fx(point, tracing_mode="fake")(a, b, s)
     expected = point(a, b, s)
@@ -106,7 +109,7 @@ def test_what_it_must_leave_alone() -> None:
     for fn in (lambda x: x.abs().amax(), lambda x: x.view(2, 12).unsqueeze(0).abs().amax(),
                lambda x: x.t().abs().amax(dim=1), lambda x: x.view(torch.int32).float().abs().amax(),
                lambda x: x.t().contiguous().view(torch.int32).float().abs().amax(),
-               lambda x: largest((x.t() * x.abs().amax()).abs())):
+               lambda x: largest((x.t() * x.abs().amax()).abs(), DEFAULT)):
         gm = make_fx(fn, tracing_mode="fake")(x)
         assert _reduce(gm) == {"reductions": 0}
         assert _same(gm(x), fn(x))

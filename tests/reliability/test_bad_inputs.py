@@ -540,7 +540,7 @@ def test_scaler_on_a_compiled_submodule_of_a_compiled_model_names_its_layers() -
 
 # Fields whose bad values tests/test_config.py already checks.
 _IN_TEST_CONFIG = {("Config", f) for f in ("dtype", "float8", "quant", "compute", "executor", "allow", "deny",
-                                           "scaling", "overflow")} | {
+                                           "scaling", "overflow", "form")} | {
     ("ScalingConfig", "mode"), ("ScalingConfig", "gamma"), ("ScalingConfig", "point_kernel")} | {
     ("QuantConfig", f) for f in ("grad_bits", "momentum", "weights")}
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import autoscale
-from autoscale.ops import STAT
+from autoscale.protocol import STAT
 from tests.helpers import assert_identical
 from tests.reliability.distributed import FORWARD_OVERFLOW, INJECTED
 from tests.reliability.ranks import WORLD

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autoscale
-from autoscale.ops import STAT
+from autoscale.protocol import STAT
 from tests.helpers import assert_identical
 from tests.reliability import fsdp
 

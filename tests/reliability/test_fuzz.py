@@ -151,7 +151,7 @@ def test_regression_split_outputs_with_different_scales() -> None:
     GEMM through a sigmoid gate, the other directly): insert_grad_scaling aligned them with a
     rescale on the split node itself, whose value is a tuple, and the compile failed with
     "AttributeError: 'tuple' object has no attribute 'view_as'". They are now aligned on the
-    split's elements (autoscale/passes/insert_grad_scaling.py, ``_State.carry``)."""
+    split's elements (autoscale/passes/dynamo/insert_grad_scaling.py, ``_State.carry``)."""
     run = train_matches_fp32(Spec(layers=('split_gate',), width=16, batch=6, stem='linear', save_at=0, seed=525))
     (record,) = run.backend.records
     assert {r.name: r.counts for r in record.passes}["insert_grad_scaling"]["aligned"] >= 1

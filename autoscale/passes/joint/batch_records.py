@@ -10,17 +10,16 @@ point's scaling made), gathered per cell with a constant index plan and mask, ea
 taken as its record's mode says (``autoscale.measure.MODES``: the flags a point's one number
 marks), reduced (max or sum, as each cell combines: both at once), and joined with the tensor in
 one elementwise pass. Values handed as partial results (a GPU's points hand them so:
-``autoscale.measure.Form``) are reduced to one first, the same way. On a GPU that is three
-kernels: per way of combining, the fold had been a gather, a reduction, an ``index`` and an
-``index_put``, ten kernels in all (docs/results/kernel_counts.md). The result is the same as
-folding point by point: every point's values are computed before the end of the chain, each cell
-is combined one way (its column's; a chain that mixes them is left alone), and max is associative
-and commutative, as is a sum of counts (integers, exact in float32 below 2^24). Σ g and Σ g² (the
-"paper" rule's moments) are summed in another order, so they may differ in the last bit.
+``autoscale.protocol.Form``) are reduced to one first, the same way. On a GPU that is three
+kernels (docs/results/kernel_counts.md). The result is the same as folding point by point: every
+point's values are computed before the end of the chain, each cell is combined one way (its
+column's; a chain that mixes them is left alone), and max is associative and commutative, as is a
+sum of counts (integers, exact in float32 below 2^24). Σ g and Σ g² (the "paper" rule's moments)
+are summed in another order, so they may differ in the last bit.
 
 Why: folded point by point, each update was a few ops over the whole tensor, which Inductor
-rewrote in full at every point; on a 1+1-layer T5 the statistics were 3,000 of its backward's
-4,000 nodes and about 23 s of an 80 s compile. Batched, they are ~20 nodes per graph.
+rewrote in full at every point; the statistics became most of a backward's nodes and compile time
+(docs/results/compile_time_models.md). Batched, they are ~20 nodes per graph.
 
 A chain this pass does not recognize (an intermediate value read elsewhere, a scale that is not a
 set of rows' scale) is left as it is: ``record`` then runs as an op of its own, and computes the
@@ -40,10 +39,12 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from autoscale.measure import LOSS_ROW, MODES, reading, set_scale, taken
+from autoscale.measure import MODES, reading, taken
+from autoscale.ops import set_scale
+from autoscale.protocol import LOSS_ROW
 
-from .graph_utils import new_constant, new_fake_call, provenance
-from .manager import PassResult
+from ..graph_utils import new_constant, new_fake_call, provenance
+from ..manager import PassResult
 
 if TYPE_CHECKING:
     from autoscale.config import Config
@@ -129,7 +130,7 @@ def _chain(value: Any, stats: Node) -> tuple[list[Node], list[Node]] | None:
 
 
 class _Reading(NamedTuple):
-    """One recorded value and how ``reading`` reads it (``autoscale.measure.record``'s arguments)."""
+    """One recorded value and how ``reading`` reads it (``autoscale.ops.record``'s arguments)."""
 
     value: Node
     scale: Node | None
@@ -245,7 +246,7 @@ class _Builder:
         directly, each set's largest for all readings at once (``largest``), not from the points'
         reads of the sets: those would be a piece each of another concatenation, where the
         readings' rows are one constant mask. Values handed as partial results
-        (``autoscale.measure.Form.parts``) are first reduced to one (``whole``), by sum for those
+        (``autoscale.protocol.Form.parts``) are first reduced to one (``whole``), by sum for those
         in ``summed``, else by max: their elements side by side, gathered per value (``both``)."""
         if any(_numel(r.value) > 1 for r in readings):
             pieces = [r.value if len(r.value.meta["val"].shape) == 1 else self.call(aten.view.default, (r.value, [-1]))
@@ -268,7 +269,7 @@ class _Builder:
 
     def largest(self, scales: Node | None, sets: Sequence[tuple[int, ...]], device: torch.device) -> Node:
         """Per set of rows, the largest of its scales (1 for none: the loss row's, ``LOSS_ROW``), as
-        ``autoscale.measure.set_scale`` reads one: a masked maximum."""
+        ``autoscale.ops.set_scale`` reads one: a masked maximum."""
         if scales is None:  # (every set is none)
             return self.constant([1.0] * len(sets), device, dtype=torch.float32)
         rows = scales.meta["val"].shape[0]

@@ -18,9 +18,7 @@ gets a copy with its own rows put back, into ``set_scale``'s rows and ``record``
 arguments that hold rows. Repeated layers share their points' signatures. A trace costs what the
 fake tensors' ops cost: of static shapes it is recorded by a dispatch mode in a fake mode of its own
 (``_Recorder``); of symbolic shapes, by ``make_fx`` in the graph's fake mode, whose symbols they are.
-Written out so, a 2-layer Llama's 73 points (32 signatures) cost its compile 0.8–1.2 s, where
-AOTAutograd's trace of their ops took 1.5–2 s; the zoo's first-step tests take 20% less CPU time,
-a cold start under Inductor, whose C++ compiles dominate it, 4–6% less
+Written out so, the points cost a compile about half of what AOTAutograd's trace of their ops did
 (docs/results/compile_time_models.md).
 
 Only a measured point that does not launch the fused kernel is one op in the trace
@@ -47,11 +45,12 @@ from torch.fx.node import map_arg
 from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
 from torch.utils._pytree import tree_map_only
 
-from autoscale.measure import LOSS_ROW, NUM_STATS, measured_point, set_scale
-from autoscale.ops import point
+from autoscale.measure import measured_point
+from autoscale.ops import point, set_scale
+from autoscale.protocol import FORMS, LOSS_ROW, NUM_STATS
 
-from .graph_utils import provenance
-from .manager import PassResult
+from ..graph_utils import provenance
+from ..manager import PassResult
 
 if TYPE_CHECKING:
     from autoscale.config import Config
@@ -90,7 +89,7 @@ def _expand(graph: Graph, node: Node, traced: dict[Any, GraphModule], static_mod
             fake_mode: FakeTensorMode) -> bool:
     """Write the point ``node`` out (``_replace``), with the ops traced for its signature."""
     grad, scales, stats, *sets = node.args[:6]
-    flags, decompositions = node.args[6:10], node.args[10]
+    flags, decompositions = node.args[6:11], node.args[11]
     assert isinstance(grad, Node) and isinstance(scales, Node) and isinstance(stats, Node)
     numbered, rows = _numbered(cast("list[list[int]]", sets))
     key = (*(_layout(n.meta["val"]) for n in (grad, scales, stats)), numbered, tuple(flags), decompositions)
@@ -129,13 +128,13 @@ def _trace(vals: list[Any], numbered: tuple[tuple[int, ...], ...], flags: Sequen
     as ``vals``. Of symbolic shapes, with ``make_fx`` in their fake mode. Of static shapes, by
     ``_Recorder`` in ``static_mode``, a fake mode without symbolic shapes, whose ops cost half of
     those of a graph's mode: the nodes written out then get values of their own (``_fresh``)."""
-    unscale, moments, fused, blame = flags
+    unscale, moments, fused, blame, form = flags
 
     def backward(grad: torch.Tensor, scales: torch.Tensor, stats: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out_rows, in_rows, record_rows = numbered
         return measured_point(grad, scales, stats, out_rows, in_rows, record_rows, unscale, moments, fused,
-                              blame=blame)
+                              blame=blame, form=FORMS[form])
 
     if any(isinstance(s, torch.SymInt) for v in vals for s in (*v.shape, *v.stride())):
         ops = make_fx(backward, tracing_mode="fake", decomposition_table=decompositions)(*vals)

@@ -1,7 +1,7 @@
 """Emulated low-precision compute: low-precision storage and rounding, float32 GEMM arithmetic.
 
 Why: CPUs without FP16 matrix units run half-precision GEMMs ~100x slower than float32
-(DESIGN.md §3). A product of two float16 numbers is exact in float32, and GPU tensor cores
+(docs/design.md#emulated-compute). A product of two float16 numbers is exact in float32, and GPU tensor cores
 accumulate in float32, so computing an allow-list op in float32 from its float16 inputs and rounding
 the result to float16 gives what the GPU gives, up to summation order.
 
@@ -10,9 +10,8 @@ Each low-precision allow-list op becomes one call of ``autoscale.ops.emulated(na
 result. It stays one node: AOTAutograd traces through it, so the joint graph holds the casts, and
 autograd differentiates through them (the backward GEMMs are emulated alike, each input gradient
 rounded to low precision as a native GEMM's output is). Spelled out as casts in this graph,
-emulation was four nodes per GEMM (10,000 of the 32,500 nodes of the compile-time benchmark's
-largest graph, and a third of the passes' time); the joint stage's ``fold_casts`` merges the
-upcasts that GEMMs sharing an input repeat.
+it would be four nodes per GEMM, which every later pass walks (docs/results/compile_time.md); the
+joint stage's ``fold_casts`` merges the upcasts that GEMMs sharing an input repeat.
 
 Every tensor stays exactly as native low precision would store it; only the arithmetic inside the
 op is wider. Runs only when ``Config.compute == "emulate"``, as the last pass of the Dynamo stage,
@@ -31,9 +30,9 @@ from torch.fx.node import _get_qualified_name
 
 from autoscale.ops import emulated, resolve
 
-from .graph_utils import PROVENANCE_KEY, dtype_name, float_dtype, op_name, provenance
-from .manager import PassResult
-from .op_tables import Category, category_of
+from ..graph_utils import PROVENANCE_KEY, dtype_name, float_dtype, op_name, provenance
+from ..manager import PassResult
+from ..op_tables import Category, category_of
 
 if TYPE_CHECKING:
     from autoscale.config import Config

@@ -33,7 +33,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from autoscale import quant
 
-from .graph_utils import (
+from ..graph_utils import (
     cast_of,
     float_dtype,
     layer_of,
@@ -44,8 +44,8 @@ from .graph_utils import (
     requires_grad_map,
     tensor_val,
 )
-from .manager import PassResult
-from .op_tables import Category, category_of
+from ..manager import PassResult
+from ..op_tables import Category, category_of
 
 if TYPE_CHECKING:
     from autoscale.config import Config

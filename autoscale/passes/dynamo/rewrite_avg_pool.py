@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import new_node, op_name, provenance, tensor_val
-from .manager import PassResult
+from ..graph_utils import new_node, op_name, provenance, tensor_val
+from ..manager import PassResult
+from ..op_tables import AVERAGE_POOLS
 
 if TYPE_CHECKING:
     from autoscale.config import Config
@@ -33,7 +34,6 @@ __all__ = ["rewrite_avg_pool"]
 PASS = "rewrite_avg_pool"
 log = logging.getLogger("autoscale")
 
-_POOLS = {"avg_pool1d": 1, "avg_pool2d": 2, "avg_pool3d": 3}  # op -> pooled dimensions
 _PARAMS = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
 
 
@@ -41,7 +41,7 @@ def rewrite_avg_pool(gm: GraphModule, cfg: Config) -> PassResult:
     """Rewrite global average pools written with ``ceil_mode`` as means (see the module docstring)."""
     rewritten, left = 0, []
     for node in list(gm.graph.nodes):
-        dims = _POOLS.get(op_name(node) or "")
+        dims = AVERAGE_POOLS.get(op_name(node) or "")
         if dims is None or node.op != "call_function":
             continue
         args = {**dict(zip(_PARAMS, node.args, strict=False)), **node.kwargs}

@@ -2,7 +2,7 @@
 
 Loss scaling moves gradients only. A forward value above 65504 (a T5 v1.1 gated-GELU feed-forward,
 a residual stream that grew, attention logits) becomes inf in float16 and the loss goes NaN, every
-step (DESIGN.md §3.1). This analysis propagates the magnitudes of every value from the real example
+step (docs/design.md#forward-overflow). This analysis propagates the magnitudes of every value from the real example
 inputs and parameters (``analyze_underflow.forward_moments``: the same rules the gradient analysis
 uses) and marks, in ``node.meta[FORWARD_KEY]`` with the reason:
 
@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import GraphModule
 
-from autoscale.ops import FP16_MAX, PROMOTED_SEP
 from autoscale.overflow import OVERFLOW_REASON
+from autoscale.protocol import FP16_MAX, PROMOTED_SEP
 
-from .analyze_underflow import clear_caches, forward_moments
-from .graph_utils import KEY, attach_of, node_keys, tensor_val
-from .manager import PassResult
+from ..analysis.analyze_underflow import forward_moments
+from ..analysis.moments import clear_caches
+from ..graph_utils import KEY, attach_of, node_keys, tensor_val
+from ..manager import PassResult
 
 if TYPE_CHECKING:
     from autoscale.config import Config

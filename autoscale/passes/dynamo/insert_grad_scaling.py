@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autoscale.ops import SCALE_RANGE, gradient_max, headroom, rescale
-from autoscale.runtime import LAYOUT_SEP, LOSS_ROW
+from autoscale.ops import rescale
+from autoscale.protocol import LAYOUT_SEP, LOSS_ROW, SCALE_RANGE, gradient_max, headroom
 
-from .analyze_underflow import MOMENTS_KEY
-from .graph_utils import (
+from ..analysis.analyze_underflow import MOMENTS_KEY
+from ..graph_utils import (
     PROVENANCE_KEY,
     attach_of,
     cast_of,
@@ -54,8 +54,8 @@ from .graph_utils import (
     sparse_gradient,
     tensor_val,
 )
-from .manager import PassResult
-from .op_tables import Category, category_of
+from ..manager import PassResult
+from ..op_tables import Category, category_of
 
 if TYPE_CHECKING:
     from autoscale.config import Config
@@ -219,6 +219,8 @@ class _State:
                  cfg: Config) -> None:
         self.graph, self.scales, self.stats, self.moments, self.cfg = graph, scales, stats, moments, cfg
         self.fused = cfg.scaling.point_kernel == "fused"
+        # (the form's name where it is not the default: ``Config.form``)
+        self.form = {} if cfg.form == "default" else {"form": cfg.form}
         self.exposes: dict[Node, bool] = {}  # ``_exposes_float16``'s answers (nothing below a node changes after)
         self.rows = {name: row for row, name in enumerate(layers)}
         self.prefix = prefix  # the path of the scaler's model in this graph ("" when compiled directly)
@@ -245,7 +247,7 @@ class _State:
         with self.graph.inserting_after(after):
             node = new_node(self.graph, "call_function", rescale, (
                 x, self.scales, self.stats, tuple(sorted(out_rows)), tuple(sorted(in_rows)), tuple(sorted(record)),
-                unscale, self.moments, self.fused), None if measured else {"measured": False})
+                unscale, self.moments, self.fused), {**self.form, **({} if measured else {"measured": False})})
         for key in ("nn_module_stack", "stack_trace"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]
@@ -399,8 +401,8 @@ class _State:
             record = rows | {self.row(p)} if isinstance(val, torch.Tensor) and val.dim() > 1 else frozenset()
             # Placed right before the parameter's first use, not after the inputs: autograd runs
             # later-created nodes first, so the unscale then runs as soon as dW exists, while it is
-            # still in cache (at the top of the graph, all unscales ran at the end of the backward,
-            # in one kernel reading every dW back from memory: +12% step time on the full MLP).
+            # still in cache (at the top of the graph, all unscales would run at the end of the
+            # backward, in one kernel reading every dW back from memory).
             first_use = min(p.users, key=order.__getitem__)
             point = self._rescale(p, frozenset({LOSS_ROW}), rows, record, after=first_use.prev,
                                   like=p, reason=f"unscale the gradient of {input_path(p) or p.name}", unscale=True)

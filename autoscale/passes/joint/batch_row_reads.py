@@ -15,20 +15,21 @@ long as the scales vector, the sets' reductions are one source, which Inductor f
 3+3-layer T5:
 
 * a row index in the point's kernel (``scales[row]``): kernels that differed in one number, one per
-  layer, 116 C++ kernels against Inductor's 40;
+  layer;
 * each row a buffer of its own and their largest taken in the point's kernel: a merge on a residual
-  stream takes the union of every later layer's rows (up to 19), so points at each depth took
-  another number of arguments and Inductor grouped them otherwise, 67 kernels;
+  stream takes the union of every later layer's rows, so points at each depth took another number
+  of arguments and Inductor grouped them otherwise;
 * a reduction over the rows written as constants (``cat(scales[r:r+1], ...)``), of each set's own
-  length: 96 kernels, the reductions of different sets being different sources;
-* one extern op computing every set and copying each into a buffer (``set_scales``): 60 kernels,
-  but its Python call cost 43–58 µs a backward, a third of what the points added to the quick
-  transformer block's backward (docs/results/overhead_quick.md);
-* a gather of each set's rows by an index tensor, padded to the widest set: 59 kernels, but
+  length: the reductions of different sets were different sources;
+* one extern op computing every set and copying each into a buffer (``set_scales``): few kernels,
+  but its Python call was a large part of what the points added to the quick transformer block's
+  backward;
+* a gather of each set's rows by an index tensor, padded to the widest set: few kernels, but
   Inductor writes a vectorized gather as a loop of scalar loads with a bounds check and a
-  wraparound per element, and the 3+3 T5's 90 of them cost about 7 s more of C++ compiles.
+  wraparound per element, which lengthened the C++ compiles
+  (counts and costs: docs/results/compile_time_models.md, overhead_quick.md).
 
-The loss row (``autoscale.measure.LOSS_ROW``) is read like any other: its scale is 1 by the state's
+The loss row (``autoscale.protocol.LOSS_ROW``) is read like any other: its scale is 1 by the state's
 invariant, which makes a set's largest scale clamped at 1, as ``_max_of`` computes it eagerly.
 
 Why after the trace: a point cannot know the graph's other sets, and AOTAutograd's
@@ -43,10 +44,11 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from autoscale.measure import LOSS_ROW, set_scale
+from autoscale.ops import set_scale
+from autoscale.protocol import LOSS_ROW
 
-from .graph_utils import new_constant, new_fake_call, provenance
-from .manager import PassResult
+from ..graph_utils import new_constant, new_fake_call, provenance
+from ..manager import PassResult
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode

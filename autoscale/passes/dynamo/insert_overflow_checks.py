@@ -23,18 +23,17 @@ run time. This pass puts ``autoscale.ops.watch(x, peaks, slot)`` after
 
 A value non-finite in float32 too (the log of 0) is named by the first cast of it into float16 (its
 check reads the float32 source) or by the output it reaches, not promoted forever. Float32 deny ops
-(norms, softmax, exp, log) are not watched themselves: measured on the overhead benchmark's CNN, a
-check on each batch norm's output cost 2.3x the step (Inductor no longer fused the norm's kernels),
-and the cast after it names the same value.
+(norms, softmax, exp, log) are not watched themselves: on the overhead benchmark's CNN, a check on
+each batch norm's output keeps Inductor from fusing the norm's kernels (docs/results/overhead.md,
+"The forward checks"), and the cast after it names the same value.
 
 ``watch`` folds ``max |x|`` into the slot: Inductor fuses the reduction into the kernel that
 produces ``x``, and the scaler reads the peaks after the step (``autoscale.overflow``). Why in the
 forward, though the peaks are read after the backward: moved into the backward wherever it reads
 ``x`` anyway (AOTAutograd's ``must_be_in_backward`` tag, a probe), a check cost the same on the
-CPU (a/b 1.057 and 1.058 against 1.055 and 1.054 on ``benchmarks.overhead --quick``), and on a
-GPU it took more launches, most of the moved maxima unfused there (T5 1+1: 225 against 200,
-``benchmarks.kernel_counts``); and a loop that calls ``update()`` without a backward after a
-non-finite loss would no longer see the overflow (docs/results/overhead_quick.md). Slots are
+CPU and took more launches on a GPU, most of the moved maxima unfused there
+(docs/results/overhead_quick.md, kernel_counts.md); and a loop that calls ``update()`` without a
+backward after a non-finite loss would no longer see the overflow. Slots are
 numbered per graph here; the backend maps them to the scaler state's slots by each site's key.
 The sites, with their keys, predictions and nearest watched sites upstream (to tell an overflow
 from its consequences), go to ``gm.meta[SITES_KEY]``. Runs only for float16, with
@@ -54,12 +53,13 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from autoscale.ops import FP16_MAX, rescale, watch
+from autoscale.ops import rescale, watch
 from autoscale.overflow import CAST_SUFFIX, OVERFLOW_REASON, Site, SiteKind
+from autoscale.protocol import FP16_MAX
 
-from .analyze_underflow import MOMENTS_KEY
-from .fold_casts import is_lossless
-from .graph_utils import (
+from ..analysis.analyze_underflow import MOMENTS_KEY
+from ..fold_casts import is_lossless
+from ..graph_utils import (
     KEY,
     PROVENANCE_KEY,
     cast_of,
@@ -74,8 +74,17 @@ from .graph_utils import (
     source_line,
     tensor_val,
 )
-from .manager import PassResult
-from .op_tables import BOUNDED, FIXED, NORMALIZATIONS, VIEWS, Category, category_of
+from ..manager import PassResult
+from ..op_tables import (
+    BOUNDED,
+    FIXED,
+    LAST_DIM_PRODUCTS,
+    NORMALIZATIONS,
+    TRUE_DIVISIONS,
+    VIEWS,
+    Category,
+    category_of,
+)
 from .predict_overflow import PEAKS_INPUT_KEY
 
 if TYPE_CHECKING:
@@ -92,10 +101,6 @@ to go unwatched (``_normalized``): norm weights grow, but not 256-fold."""
 _GROWS = (Category.ALLOW, Category.INFER)
 _SAME_VALUES = FIXED | {"contiguous", "clone"}
 """Ops whose output holds their input's values, in another dtype or layout at most."""
-_DIVISIONS = frozenset({"div", "truediv", "true_divide"})
-"""True divisions (``_shrunk``)."""
-_AVERAGING = frozenset({"matmul", "bmm"})
-"""Products whose first operand's last dimension is the one contracted."""
 
 
 def insert_overflow_checks(gm: GraphModule, cfg: Config) -> PassResult:
@@ -130,7 +135,8 @@ def insert_overflow_checks(gm: GraphModule, cfg: Config) -> PassResult:
                           moments.amax if moments is not None else None, reason, tuple(sorted(upstream)),
                           output=n in outputs, where=source_line(named)))
         with graph.inserting_after(n):
-            check = new_node(graph, "call_function", watch, (watched, peaks, slot))
+            check = new_node(graph, "call_function", watch, (watched, peaks, slot),
+                             None if cfg.form == "default" else {"form": cfg.form})
         for meta in ("nn_module_stack", "stack_trace"):
             if meta in n.meta:
                 check.meta[meta] = n.meta[meta]
@@ -179,9 +185,9 @@ def _normalized(source: Node, cfg: Config) -> bool:
     """Whether a value cast into float16 is a normalization's output, through data movement and
     bounded ops (a batch norm's ReLU, a layer norm's output for q, k and v), predicted well inside
     the range: its cast goes unwatched. Its check would be a pass over the float32 value of its own
-    (Inductor does not fuse it into the norm's kernels: 6% of the overhead benchmark's CNN step for
-    its two), and a normalized value is bounded by its affine weights: a non-finite one comes from
-    the norm's input, which is watched where it was made."""
+    (Inductor does not fuse it into the norm's kernels), and a normalized value is bounded by its
+    affine weights: a non-finite one comes from the norm's input, which is watched where it was
+    made."""
     moments = source.meta.get(MOMENTS_KEY, {}).get("value")
     if moments is None or moments.amax * CAST_MARGIN >= cfg.overflow.threshold * FP16_MAX:
         return False
@@ -281,7 +287,7 @@ def _shrunk(n: Node) -> Node | None:
         for value, factor in ((a, b), (b, a)):
             if isinstance(value, Node) and isinstance(factor, (int, float)) and abs(factor) <= 1:
                 return value
-    if name in _DIVISIONS and isinstance(a, Node) and isinstance(b, (int, float)) and abs(b) >= 1:
+    if name in TRUE_DIVISIONS and isinstance(a, Node) and isinstance(b, (int, float)) and abs(b) >= 1:
         return a
     return None
 
@@ -300,7 +306,7 @@ def _weighted_average(n: Node, cfg: Config) -> bool:
     if op_name(n) == "scaled_dot_product_attention":
         p = args[4] if len(args) > 4 else n.kwargs.get("dropout_p", 0.0)
         return isinstance(p, int | float) and (p == 0 or p < 1 - cfg.overflow.threshold)
-    if op_name(n) not in _AVERAGING or len(args) < 2:
+    if op_name(n) not in LAST_DIM_PRODUCTS or len(args) < 2:
         return False
     weights = _values_of(args[0])
     if not isinstance(weights, Node) or op_name(weights) != "softmax":

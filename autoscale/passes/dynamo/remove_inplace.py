@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import MAY_ALIAS, inplace_position, is_inplace, op_name, provenance
-from .manager import PassResult
+from ..graph_utils import MAY_ALIAS, inplace_position, is_inplace, op_name, provenance
+from ..manager import PassResult
 
 if TYPE_CHECKING:
     from autoscale.config import Config

@@ -1,15 +1,15 @@
 """Lay a value's partial results out as Inductor will lay out the value, in a kernel of Inductor's.
 
 On a GPU a point or a check hands the fold partial maxima (and counts) of its value: a reduction
-over ``[parts, -1]``, the value's elements in memory order (``autoscale.measure._partial``), which
+over ``[parts, -1]``, the value's elements in memory order (``autoscale.measure.largest``), which
 Inductor fuses into the kernel that writes the value and reads there in the order it writes.
 
 **The layout.** The memory order is Inductor's to decide, after the trace: by its heuristics
 (``GraphLowering.decide_layout_opt``) a graph whose convolutions are wide (more than 64 channels,
 as a ResNet's) is laid out channels-last, and its 4-D values and their gradients with it. Taken in
 the traced order, NCHW, the partial reduction read such a value at a stride of its channels, which
-on a GPU is uncoalesced, in a kernel of its own: the wide CNN of ``benchmarks.kernel_counts``
-launched 60 kernels a step so, 48 laid out as here; torch.amp's, 38. Traced, ``_partial`` is one
+on a GPU is uncoalesced, in a kernel of its own (the wide CNN of ``benchmarks.kernel_counts``:
+docs/results/kernel_counts.md, "Why the layout"). Traced, ``_partial`` is one
 op, ``autoscale::partials``, which this pass replaces by a view of the value: in channels-last order
 (NHWC) for a 4-D value where Inductor will lay the graph out channels-last, in the traced memory
 order otherwise. The decision is Inductor's own function, run on the joint graph (whose
@@ -29,23 +29,25 @@ checked, 1).
 
 Either way, any grouping of the elements into parts gives the same reduction over all of them. The
 number of parts is the trace's (the fold reads that many): a value whose parts were its rows in
-the traced order (``autoscale.measure.Form.rows``) and that Inductor lays out channels-last, or
+the traced order (``autoscale.protocol.Form.rows``) and that Inductor lays out channels-last, or
 that is read from a copy, is split into as many equal runs of its elements in the new order.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from autoscale.measure import is_dense, memory_order, partials
+from autoscale.measure import is_dense, memory_order
+from autoscale.ops import partials
 
-from .graph_utils import cast_of, new_fake_call, op_name, provenance
-from .manager import PassResult
-from .op_tables import REARRANGING, UNARY_ELEMENTWISE, VIEWS
+from ..graph_utils import cast_of, new_fake_call, op_name, provenance
+from ..manager import PassResult
+from ..op_tables import ALIASES, EXTERN_GEMMS, REARRANGING, UNARY_ELEMENTWISE, VIEWS
 
 if TYPE_CHECKING:
     from autoscale.config import Config
@@ -55,8 +57,6 @@ __all__ = ["lay_out_partials"]
 PASS = "lay_out_partials"
 aten = torch.ops.aten
 _CHANNELS_LAST = (0, 2, 3, 1)  # (NCHW's dimensions in the order channels-last lays them out)
-_GEMMS = frozenset({"mm", "bmm", "addmm", "baddbmm"})  # (extern kernels: cuBLAS writes their outputs)
-_IDENTITY = frozenset({"alias", "detach"})
 _VIEWS = VIEWS | {"_unsafe_view"}  # (what a GEMM's output is read through, to the GEMM)
 _THROUGH = REARRANGING - {"clone"}  # (what a GEMM reads its operand through, from the copy)
 
@@ -117,9 +117,9 @@ def _under(node: Node) -> tuple[Any, list[Node]]:
     unary: list[Node] = []
     value = node.args[0]
     while isinstance(value, Node) and value.op == "call_function" and (
-            cast_of(value) is not None or op_name(value) in _IDENTITY or (
+            cast_of(value) is not None or op_name(value) in ALIASES or (
                 op_name(value) in UNARY_ELEMENTWISE and len(value.args) == 1)):
-        if op_name(value) not in _IDENTITY:
+        if op_name(value) not in ALIASES:
             unary.append(value)
         value = value.args[0]
     return value, unary[::-1]
@@ -161,7 +161,7 @@ def _first_reader(copy: Node, position: dict[Node, int]) -> Node | None:
     if not readers:
         return None
     first = min(readers, key=position.__getitem__)
-    return first if op_name(first) in _GEMMS else None
+    return first if op_name(first) in EXTERN_GEMMS else None
 
 
 def _erase_unused(node: Node) -> None:
@@ -177,7 +177,7 @@ def _written_by_gemm(value: Node) -> bool:
     """Whether ``value`` is a GEMM's output, through views."""
     while value.op == "call_function" and op_name(value) in _VIEWS and isinstance(value.args[0], Node):
         value = value.args[0]
-    return value.op == "call_function" and op_name(value) in _GEMMS
+    return value.op == "call_function" and op_name(value) in EXTERN_GEMMS
 
 
 def _copy_of(value: Node) -> Node | None:
@@ -203,12 +203,17 @@ def _inductor_lays_out_channels_last(gm: GraphModule) -> bool:
     holds the same convolutions; its one rule on the graph's size (no channels-last for fewer than
     one convolution in 300 nodes) reads fewer nodes there, so a joint graph near that bound is
     taken as NCHW where Inductor may not: its partial results are then read as before. So is a
-    graph the function cannot read (another torch's signature, a node without its fake value): the
-    layout only decides how fast the partial results are read, never what they are."""
+    graph the function cannot read (another torch's signature, a node without its fake value), with
+    a warning: the layout only decides how fast the partial results are read, never what they are.
+    (``tests/passes/test_lay_out_partials.py`` checks the decision on the installed torch.)"""
     from torch._inductor.graph import GraphLowering  # (Inductor: only when compiling)
 
     try:
         return bool(GraphLowering.decide_layout_opt(gm, is_inference=False))
-    except (AttributeError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError) as e:
+        warnings.warn(f"autoscale: Inductor's GraphLowering.decide_layout_opt failed on torch "
+                      f"{torch.__version__} ({type(e).__name__}: {e}); the partial results of "
+                      "Config(form='fewer_launches') are read in the traced order, which computes the same "
+                      "and may launch more kernels", stacklevel=2)
         return False
 

@@ -1,6 +1,6 @@
 """The precision pass: paint every op low precision or float32, then insert the casts.
 
-Painting follows TensorFlow's auto-mixed-precision algorithm (DESIGN.md §3), over the tables in
+Painting follows TensorFlow's auto-mixed-precision algorithm (docs/design.md#precision), over the tables in
 ``op_tables``:
 
 1. *allow* ops (GEMMs, convolutions) are low precision;
@@ -33,7 +33,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from autoscale.overflow import OVERFLOW_REASON
 
-from .graph_utils import (
+from ..graph_utils import (
     dtype_name,
     float_dtype,
     insert_cast,
@@ -44,8 +44,8 @@ from .graph_utils import (
     sparse_gradient,
     tensor_val,
 )
-from .manager import PassResult
-from .op_tables import CREATION, Category, category_of, deny_reason
+from ..manager import PassResult
+from ..op_tables import CREATION, Category, category_of, deny_reason
 from .predict_overflow import FORWARD_KEY
 
 if TYPE_CHECKING:
