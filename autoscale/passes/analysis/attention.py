@@ -70,7 +70,8 @@ def _attention_stats(std: float, counts: tuple[tuple[int, float], ...], length: 
 def _row_stats(std: float, length: int) -> tuple[float, float, float]:
     """(Σw², Σw² − 2Σw³ + (Σw²)², max w) of softmax rows over ``length`` Gaussian logits of spread
     ``std``, averaged over a fixed sample of rows (the max: over them). Measured, not a closed form:
-    over few keys the normalizer is dominated by the largest terms (``_softmax_ms``)."""
+    e^{σ²}/L², which assumes the normalizer is its mean, is several times too high over few keys,
+    where the largest terms dominate the normalizer (T5's unscaled attention logits)."""
     if length <= 1:
         return (1.0, 0.0, 1.0) if length == 1 else (0.0, 0.0, 0.0)
     sampled = min(length, 1 << 16)
@@ -119,21 +120,6 @@ def _softmax_backward(n: Node, g: Moments, v: dict[Node, Moments | None]) -> dic
 def _softmax_dim(n: Node) -> int:
     dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else -1)
     return dim if isinstance(dim, int) else -1
-
-
-@functools.cache
-def _softmax_ms(std: float, length: int, rows: int = 256) -> float:
-    """E[w²] of softmax weights over ``length`` Gaussian logits of spread ``std``: measured on a
-    fixed sample of ``rows`` rows. The closed form e^{σ²}/L² assumes the normalizer is its mean;
-    over few keys it is dominated by the largest terms, and the closed form came out 4.5x too high
-    on T5's unscaled attention logits (σ² = 2.8 over 16 keys)."""
-    if length <= 0:
-        raise ZeroDivisionError  # (an empty row: nothing to predict)
-    sampled = min(length, 1 << 16)  # (a longer row spreads its weight over more keys: each is smaller)
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(rows, sampled, generator=g, dtype=torch.float64) * min(std, 50.0)
-    weights = torch.softmax(logits, dim=-1) * (sampled / length)
-    return float(weights.square().mean())
 
 
 def _attention_args(n: Node) -> tuple[Any, bool, float]:
